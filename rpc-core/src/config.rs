@@ -1,0 +1,133 @@
+//! Tunables shared by client, server and transports.
+
+use std::time::Duration;
+
+use crate::wire::Limits;
+use crate::Endpoint;
+
+/// Limits and timings of a connection. Every limit is enforced before memory is reserved.
+///
+/// Endpoint options override the defaults by name (`tcp://h:p?max_in_flight=64`), see
+/// [`Config::from_endpoint`].
+#[derive(Debug, Clone)]
+#[non_exhaustive]
+pub struct Config {
+    /// Messages up to this many bytes (header included) go inline in one eager message;
+    /// larger ones send their payloads on the bulk path (TCP: streamed after the header
+    /// without a copy; RDMA: rendezvous). Default 8 KiB.
+    pub eager_threshold: usize,
+    /// Largest message accepted or sent (bytes after the header). Default 1 GiB.
+    pub max_message_size: u64,
+    /// Most payloads attached to one message. Default 1024.
+    pub max_attachments: u16,
+    /// Client: calls in flight on one connection; further calls wait for a slot. Default 1024.
+    pub max_in_flight: usize,
+    /// Server: handlers running at once across all connections; further requests wait
+    /// (their connection stops being read). Default 4096.
+    pub max_concurrent_handlers: usize,
+    /// A connection with no traffic for this long is probed with a ping. Default 5 s.
+    pub keepalive_interval: Duration,
+    /// A peer silent for this long is declared dead; its calls fail. Default 15 s.
+    pub keepalive_timeout: Duration,
+    /// Client: time allowed to establish a connection. Default 10 s.
+    pub connect_timeout: Duration,
+}
+
+impl Default for Config {
+    fn default() -> Config {
+        Config {
+            eager_threshold: 8 * 1024,
+            max_message_size: 1 << 30,
+            max_attachments: 1024,
+            max_in_flight: 1024,
+            max_concurrent_handlers: 4096,
+            keepalive_interval: Duration::from_secs(5),
+            keepalive_timeout: Duration::from_secs(15),
+            connect_timeout: Duration::from_secs(10),
+        }
+    }
+}
+
+/// An endpoint option that is not a valid value.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("endpoint option {key}={value:?}: {reason}")]
+pub struct ConfigError {
+    key: String,
+    value: String,
+    reason: &'static str,
+}
+
+impl Config {
+    /// The defaults with the endpoint's options applied: `eager_threshold`, `max_message_size`,
+    /// `max_in_flight`, `max_concurrent_handlers` (numbers), `keepalive_ms`,
+    /// `keepalive_timeout_ms`, `connect_timeout_ms` (milliseconds). Other options belong to the
+    /// transport and are ignored here.
+    pub fn from_endpoint(ep: &Endpoint) -> Result<Config, ConfigError> {
+        Config::default().with_endpoint_options(ep)
+    }
+
+    /// This config with the endpoint's options applied (see [`Config::from_endpoint`]).
+    pub fn with_endpoint_options(mut self, ep: &Endpoint) -> Result<Config, ConfigError> {
+        for (k, v) in ep.options() {
+            let num = || -> Result<u64, ConfigError> {
+                v.parse::<u64>().map_err(|_| ConfigError {
+                    key: k.to_owned(),
+                    value: v.to_owned(),
+                    reason: "expected a whole number",
+                })
+            };
+            let positive = || -> Result<u64, ConfigError> {
+                match num()? {
+                    0 => Err(ConfigError {
+                        key: k.to_owned(),
+                        value: v.to_owned(),
+                        reason: "must be at least 1",
+                    }),
+                    n => Ok(n),
+                }
+            };
+            match k {
+                "eager_threshold" => self.eager_threshold = positive()? as usize,
+                "max_message_size" => self.max_message_size = positive()?,
+                "max_in_flight" => self.max_in_flight = positive()? as usize,
+                "max_concurrent_handlers" => self.max_concurrent_handlers = positive()? as usize,
+                "keepalive_ms" => self.keepalive_interval = Duration::from_millis(positive()?),
+                "keepalive_timeout_ms" => {
+                    self.keepalive_timeout = Duration::from_millis(positive()?)
+                }
+                "connect_timeout_ms" => self.connect_timeout = Duration::from_millis(positive()?),
+                _ => {}
+            }
+        }
+        Ok(self)
+    }
+
+    /// The frame limits decoders enforce.
+    pub fn limits(&self) -> Limits {
+        Limits {
+            max_message_size: self.max_message_size,
+            max_attachments: self.max_attachments,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn options_override_defaults() {
+        let ep: Endpoint = "tcp://h:1?max_in_flight=7&keepalive_ms=20&device=x"
+            .parse()
+            .unwrap();
+        let c = Config::from_endpoint(&ep).unwrap();
+        assert_eq!(c.max_in_flight, 7);
+        assert_eq!(c.keepalive_interval, Duration::from_millis(20));
+        assert_eq!(c.eager_threshold, Config::default().eager_threshold);
+        let bad: Endpoint = "tcp://h:1?max_in_flight=0".parse().unwrap();
+        assert!(Config::from_endpoint(&bad).is_err());
+        let bad: Endpoint = "tcp://h:1?eager_threshold=lots".parse().unwrap();
+        let e = Config::from_endpoint(&bad).unwrap_err();
+        assert!(e.to_string().contains("eager_threshold"), "{e}");
+    }
+}

@@ -1,0 +1,398 @@
+//! The wire format: one fixed 32-byte header per frame, then an attachment table, the body and
+//! the attachments.
+//!
+//! ```text
+//!  0      2   3    4       6         8              16        20     24             32
+//!  +------+---+----+-------+---------+---------------+---------+------+--------------+
+//!  | magic|ver|kind| flags | n_attach|   request id  | method  | aux  |  len (u64)   |
+//!  +------+---+----+-------+---------+---------------+---------+------+--------------+
+//!  | n_attach x u64 attachment lengths | body | attachment 0 | attachment 1 | ...     |
+//!  +-----------------------------------+------+--------------+--------------+---------+
+//! ```
+//! All integers are little endian. `len` counts every byte after the header. `aux` carries the
+//! remaining deadline in microseconds on a request (0: none) and the status on a response
+//! (0: success, otherwise a [`ServerErrorKind`](crate::ServerErrorKind) code with a UTF-8
+//! message as the body).
+//!
+//! Attachments are [`Payload`]s lifted out of the serialised arguments and results (see
+//! [`crate::payload`]): they never pass through the codec, so a transport can move them without
+//! a copy (TCP: one vectored write; RDMA: a rendezvous).
+
+use std::fmt;
+use std::io;
+
+use bytes::{Buf, BufMut, Bytes, BytesMut};
+use tokio_util::codec::{Decoder, Encoder};
+
+use crate::Payload;
+
+/// First two bytes of every frame (`"RR"`).
+pub const MAGIC: [u8; 2] = *b"RR";
+/// The protocol version this build speaks.
+pub const VERSION: u8 = 1;
+/// Size of the fixed frame header.
+pub const HEADER_LEN: usize = 32;
+
+/// What a frame is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[repr(u8)]
+pub enum Kind {
+    /// A call: `method` names it, the body holds the encoded arguments.
+    Request = 1,
+    /// The answer to the request with the same id.
+    Response = 2,
+    /// The caller gave up on the request with this id; the server stops its handler.
+    Cancel = 3,
+    /// Keep-alive probe; the peer answers with [`Kind::Pong`].
+    Ping = 4,
+    /// Answer to [`Kind::Ping`].
+    Pong = 5,
+    /// The server is draining: no new requests on this connection.
+    GoAway = 6,
+}
+
+impl Kind {
+    fn from_u8(v: u8) -> Option<Kind> {
+        Some(match v {
+            1 => Kind::Request,
+            2 => Kind::Response,
+            3 => Kind::Cancel,
+            4 => Kind::Ping,
+            5 => Kind::Pong,
+            6 => Kind::GoAway,
+            _ => return None,
+        })
+    }
+}
+
+/// The logical header of a frame (the lengths are derived from the message when it is encoded).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Header {
+    /// What the frame is.
+    pub kind: Kind,
+    /// Reserved flag bits; zero in version 1.
+    pub flags: u16,
+    /// Request id, chosen by the caller, unique among its calls in flight on a connection.
+    pub id: u64,
+    /// Method id (see [`method_id`](crate::method_id)); zero on frames other than requests.
+    pub method: u32,
+    /// Deadline in microseconds on a request, status on a response.
+    pub aux: u32,
+}
+
+impl Header {
+    /// A header of `kind` for request `id`, other fields zero.
+    pub const fn new(kind: Kind, id: u64) -> Header {
+        Header {
+            kind,
+            flags: 0,
+            id,
+            method: 0,
+            aux: 0,
+        }
+    }
+}
+
+/// One frame: header, encoded body, and the payloads attached to it.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Message {
+    /// The frame header.
+    pub header: Header,
+    /// The codec's encoding of the arguments or result (payloads replaced by their index).
+    pub body: Bytes,
+    /// Bulk data, in the order the codec met the payloads.
+    pub attachments: Vec<Payload>,
+}
+
+impl Message {
+    /// A message with no body and no attachments (cancel, ping, pong, go-away).
+    pub fn control(kind: Kind, id: u64) -> Message {
+        Message {
+            header: Header::new(kind, id),
+            body: Bytes::new(),
+            attachments: Vec::new(),
+        }
+    }
+
+    /// Bytes after the fixed header: attachment table, body and attachments.
+    pub fn payload_len(&self) -> u64 {
+        let table = 8 * self.attachments.len() as u64;
+        let att: u64 = self.attachments.iter().map(|a| a.len() as u64).sum();
+        table + self.body.len() as u64 + att
+    }
+
+    /// Total size on the wire.
+    pub fn wire_len(&self) -> u64 {
+        HEADER_LEN as u64 + self.payload_len()
+    }
+
+    /// Whether the whole frame fits in one eager (inline) message of `threshold` bytes;
+    /// larger ones send their attachments on the bulk path.
+    pub fn is_eager(&self, threshold: usize) -> bool {
+        self.wire_len() <= threshold as u64
+    }
+
+    /// Writes the fixed header and the attachment table (everything before the body).
+    pub fn encode_head(&self, out: &mut BytesMut) {
+        out.reserve(HEADER_LEN + 8 * self.attachments.len());
+        out.put_slice(&MAGIC);
+        out.put_u8(VERSION);
+        out.put_u8(self.header.kind as u8);
+        out.put_u16_le(self.header.flags);
+        out.put_u16_le(self.attachments.len() as u16);
+        out.put_u64_le(self.header.id);
+        out.put_u32_le(self.header.method);
+        out.put_u32_le(self.header.aux);
+        out.put_u64_le(self.payload_len());
+        for a in &self.attachments {
+            out.put_u64_le(a.len() as u64);
+        }
+    }
+
+    /// Writes the whole frame into `out` (copies body and attachments).
+    pub fn encode_into(&self, out: &mut BytesMut) {
+        self.encode_head(out);
+        out.extend_from_slice(&self.body);
+        for a in &self.attachments {
+            out.extend_from_slice(a);
+        }
+    }
+}
+
+/// Limits a decoder enforces before it reserves any memory for a frame.
+#[derive(Debug, Clone, Copy)]
+pub struct Limits {
+    /// Largest frame accepted (bytes after the header).
+    pub max_message_size: u64,
+    /// Most attachments on one frame.
+    pub max_attachments: u16,
+}
+
+/// Why a frame was refused. Carried inside an [`io::Error`] of kind `InvalidData` by decoders,
+/// so that a server can still answer a request whose header was readable.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum FrameError {
+    /// The first bytes are not this protocol's magic.
+    #[error("bad magic {0:02x?}: the peer does not speak rdma-rpc")]
+    BadMagic([u8; 2]),
+    /// A protocol version this build does not speak.
+    #[error("unsupported protocol version {0} (this build speaks {VERSION})")]
+    Version(u8),
+    /// An unknown frame kind.
+    #[error("unknown frame kind {0}")]
+    UnknownKind(u8),
+    /// The frame is larger than the configured limit.
+    #[error("frame {kind:?} #{id} of {len} bytes exceeds the limit of {limit} bytes")]
+    TooLarge {
+        /// Kind of the refused frame.
+        kind: Kind,
+        /// Its request id, so the refusal can be answered.
+        id: u64,
+        /// Its claimed length.
+        len: u64,
+        /// The limit in force.
+        limit: u64,
+    },
+    /// Too many attachments.
+    #[error("frame #{id} has {count} attachments, more than the limit of {limit}")]
+    TooManyAttachments {
+        /// Request id.
+        id: u64,
+        /// Claimed count.
+        count: u16,
+        /// The limit in force.
+        limit: u16,
+    },
+    /// The attachment table does not fit the frame length.
+    #[error("frame #{id}: attachment lengths add up to more than the frame length {len}")]
+    BadLengths {
+        /// Request id.
+        id: u64,
+        /// The frame length.
+        len: u64,
+    },
+    /// Reserved flag bits set.
+    #[error("frame #{id}: reserved flags {flags:#x} set")]
+    Flags {
+        /// Request id.
+        id: u64,
+        /// The flags seen.
+        flags: u16,
+    },
+}
+
+impl FrameError {
+    /// The `FrameError` inside an `io::Error` produced by a decoder, if any.
+    pub fn from_io(e: &io::Error) -> Option<&FrameError> {
+        e.get_ref().and_then(|inner| inner.downcast_ref::<FrameError>())
+    }
+}
+
+impl From<FrameError> for io::Error {
+    fn from(e: FrameError) -> io::Error {
+        io::Error::new(io::ErrorKind::InvalidData, e)
+    }
+}
+
+/// A parsed fixed header with its wire lengths.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct WireHeader {
+    /// The logical header.
+    pub header: Header,
+    /// Number of attachments.
+    pub n_attach: u16,
+    /// Bytes after the fixed header.
+    pub len: u64,
+}
+
+impl WireHeader {
+    /// Parses and validates a fixed header against `limits`.
+    pub fn parse(b: &[u8; HEADER_LEN], limits: &Limits) -> Result<WireHeader, FrameError> {
+        let mut b = &b[..];
+        let magic = [b.get_u8(), b.get_u8()];
+        if magic != MAGIC {
+            return Err(FrameError::BadMagic(magic));
+        }
+        let version = b.get_u8();
+        if version != VERSION {
+            return Err(FrameError::Version(version));
+        }
+        let kind_byte = b.get_u8();
+        let kind = Kind::from_u8(kind_byte).ok_or(FrameError::UnknownKind(kind_byte))?;
+        let flags = b.get_u16_le();
+        let n_attach = b.get_u16_le();
+        let id = b.get_u64_le();
+        let method = b.get_u32_le();
+        let aux = b.get_u32_le();
+        let len = b.get_u64_le();
+        if flags != 0 {
+            return Err(FrameError::Flags { id, flags });
+        }
+        if len > limits.max_message_size {
+            return Err(FrameError::TooLarge {
+                kind,
+                id,
+                len,
+                limit: limits.max_message_size,
+            });
+        }
+        if n_attach > limits.max_attachments {
+            return Err(FrameError::TooManyAttachments {
+                id,
+                count: n_attach,
+                limit: limits.max_attachments,
+            });
+        }
+        if 8 * n_attach as u64 > len {
+            return Err(FrameError::BadLengths { id, len });
+        }
+        Ok(WireHeader {
+            header: Header {
+                kind,
+                flags,
+                id,
+                method,
+                aux,
+            },
+            n_attach,
+            len,
+        })
+    }
+
+    /// Splits a complete frame's bytes after the fixed header (`rest`, exactly `len` long) into
+    /// body and attachments, without copying.
+    pub fn split(&self, mut rest: Bytes) -> Result<Message, FrameError> {
+        debug_assert_eq!(rest.len() as u64, self.len);
+        let n = self.n_attach as usize;
+        let table = rest.split_to(8 * n);
+        let lens = table.chunks_exact(8).map(|c| {
+            u64::from_le_bytes(c.try_into().expect("chunks of 8"))
+        });
+        // Validate first, so that nothing is split off a frame that turns out to be bad.
+        let mut total: u64 = 0;
+        for l in lens.clone() {
+            total = total
+                .checked_add(l)
+                .filter(|t| *t <= rest.len() as u64)
+                .ok_or(FrameError::BadLengths {
+                    id: self.header.id,
+                    len: self.len,
+                })?;
+        }
+        let body = rest.split_to(rest.len() - total as usize);
+        let attachments = lens
+            .map(|l| Payload::from(rest.split_to(l as usize)))
+            .collect();
+        Ok(Message {
+            header: self.header,
+            body,
+            attachments,
+        })
+    }
+}
+
+/// `tokio_util` codec for frames: decodes into [`Message`]s that share the read buffer (no copy),
+/// refuses oversized frames before reserving memory, and encodes by copying into the write
+/// buffer (transports that want zero-copy for large attachments write them separately).
+#[derive(Debug, Clone)]
+pub struct FrameCodec {
+    limits: Limits,
+    head: Option<WireHeader>,
+}
+
+impl FrameCodec {
+    /// A codec enforcing `limits`.
+    pub fn new(limits: Limits) -> FrameCodec {
+        FrameCodec { limits, head: None }
+    }
+}
+
+impl Decoder for FrameCodec {
+    type Item = Message;
+    type Error = io::Error;
+
+    fn decode(&mut self, src: &mut BytesMut) -> io::Result<Option<Message>> {
+        let head = match self.head {
+            Some(h) => h,
+            None => {
+                if src.len() < HEADER_LEN {
+                    src.reserve(HEADER_LEN - src.len());
+                    return Ok(None);
+                }
+                let raw: &[u8; HEADER_LEN] = src[..HEADER_LEN].try_into().expect("length checked");
+                let h = WireHeader::parse(raw, &self.limits)?;
+                src.advance(HEADER_LEN);
+                self.head = Some(h);
+                h
+            }
+        };
+        // `len` was checked against the limit, so this reservation is bounded.
+        let len = head.len as usize;
+        if src.len() < len {
+            src.reserve(len - src.len());
+            return Ok(None);
+        }
+        self.head = None;
+        let rest = src.split_to(len).freeze();
+        head.split(rest).map(Some).map_err(io::Error::from)
+    }
+}
+
+impl Encoder<Message> for FrameCodec {
+    type Error = io::Error;
+
+    fn encode(&mut self, msg: Message, dst: &mut BytesMut) -> io::Result<()> {
+        msg.encode_into(dst);
+        Ok(())
+    }
+}
+
+impl fmt::Display for Kind {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        fmt::Debug::fmt(self, f)
+    }
+}
+
+#[cfg(test)]
+mod tests;
