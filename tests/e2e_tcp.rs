@@ -1,0 +1,342 @@
+//! The end-to-end suite over TCP loopback, plus what only TCP can be fed: raw bytes.
+
+mod suite;
+
+use std::time::Duration;
+
+use rdma_rpc::core::wire::{Header, Kind, Message, HEADER_LEN};
+use rdma_rpc::{Config, Endpoint, RpcError, ServerErrorKind};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::TcpStream;
+
+use suite::EVENTUALLY;
+
+fn ep() -> Endpoint {
+    "tcp://127.0.0.1:0".parse().unwrap()
+}
+
+macro_rules! suite_tests {
+    ($($name:ident),* $(,)?) => {$(
+        #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+        async fn $name() {
+            suite::$name(&ep()).await;
+        }
+    )*};
+}
+
+suite_tests!(
+    round_trip_sizes,
+    frame_at_threshold,
+    many_concurrent_calls,
+    deadline,
+    cancellation,
+    handler_panic,
+    unknown_method_and_bad_arguments,
+    client_flow_control,
+    server_flow_control,
+    graceful_shutdown,
+    size_limits,
+);
+
+async fn raw(ep: &Endpoint) -> TcpStream {
+    TcpStream::connect(ep.authority()).await.unwrap()
+}
+
+/// Reads until the server closes the connection; returns what it sent.
+async fn read_to_close(s: &mut TcpStream) -> Vec<u8> {
+    let mut out = Vec::new();
+    tokio::time::timeout(EVENTUALLY, s.read_to_end(&mut out))
+        .await
+        .expect("server closes the connection")
+        .ok();
+    out
+}
+
+fn decode_all(mut bytes: &[u8]) -> Vec<Message> {
+    use tokio_util_codec_shim::decode;
+    let mut out = Vec::new();
+    while let Some((m, used)) = decode(bytes) {
+        out.push(m);
+        bytes = &bytes[used..];
+    }
+    out
+}
+
+/// Minimal decoding of whole frames for assertions, via the core's codec.
+mod tokio_util_codec_shim {
+    use super::*;
+    use rdma_rpc::core::wire::{Limits, WireHeader};
+
+    pub(crate) fn decode(bytes: &[u8]) -> Option<(Message, usize)> {
+        if bytes.len() < HEADER_LEN {
+            return None;
+        }
+        let limits = Limits {
+            max_message_size: 1 << 30,
+            max_attachments: 1024,
+        };
+        let h = WireHeader::parse(bytes[..HEADER_LEN].try_into().unwrap(), &limits).ok()?;
+        let end = HEADER_LEN + h.len as usize;
+        let rest = bytes::Bytes::copy_from_slice(bytes.get(HEADER_LEN..end)?);
+        Some((h.split(rest).ok()?, end))
+    }
+}
+
+fn frame(kind: Kind, id: u64, method: u32, body: &[u8]) -> Vec<u8> {
+    let m = Message {
+        header: Header {
+            kind,
+            flags: 0,
+            id,
+            method,
+            aux: 0,
+        },
+        body: bytes::Bytes::copy_from_slice(body),
+        attachments: vec![],
+    };
+    let mut b = bytes::BytesMut::new();
+    m.encode_into(&mut b);
+    b.to_vec()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn garbage_closes_only_that_connection() {
+    let srv = suite::start(&ep(), Config::default()).await;
+    let good = suite::connect(&srv.endpoint).await;
+    let mut bad = raw(&srv.endpoint).await;
+    bad.write_all(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n and some more garbage")
+        .await
+        .unwrap();
+    let answer = read_to_close(&mut bad).await;
+    assert!(answer.is_empty(), "no answer to garbage: {answer:?}");
+    assert_eq!(good.add(1, 2).await.unwrap(), 3);
+    srv.shutdown.shutdown();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn truncated_frame_then_hangup() {
+    let srv = suite::start(&ep(), Config::default()).await;
+    let good = suite::connect(&srv.endpoint).await;
+    let mut bad = raw(&srv.endpoint).await;
+    let add = rdma_rpc::__private::method_id("Probe.add");
+    let f = frame(Kind::Request, 1, add, &[1, 2]);
+    bad.write_all(&f[..f.len() - 1]).await.unwrap();
+    bad.shutdown().await.unwrap();
+    let answer = read_to_close(&mut bad).await;
+    assert!(answer.is_empty(), "{answer:?}");
+    assert_eq!(good.add(2, 2).await.unwrap(), 4);
+    srv.shutdown.shutdown();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn length_of_two_to_the_63_is_answered_and_closed() {
+    let srv = suite::start(&ep(), Config::default()).await;
+    let good = suite::connect(&srv.endpoint).await;
+    let mut bad = raw(&srv.endpoint).await;
+    let mut f = frame(Kind::Request, 77, 1, &[]);
+    f[24..32].copy_from_slice(&(1u64 << 63).to_le_bytes());
+    bad.write_all(&f).await.unwrap();
+    let answer = read_to_close(&mut bad).await;
+    let msgs = decode_all(&answer);
+    assert_eq!(msgs.len(), 1, "one error response, then close");
+    assert_eq!(msgs[0].header.kind, Kind::Response);
+    assert_eq!(msgs[0].header.id, 77);
+    assert_eq!(
+        ServerErrorKind::from_code(msgs[0].header.aux),
+        ServerErrorKind::TooLarge
+    );
+    let text = String::from_utf8_lossy(&msgs[0].body);
+    assert!(text.contains("exceeds"), "{text}");
+    assert_eq!(good.add(3, 3).await.unwrap(), 6);
+    srv.shutdown.shutdown();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn raw_unknown_method_and_bad_body_get_answers_and_connection_stays() {
+    let srv = suite::start(&ep(), Config::default()).await;
+    let mut s = raw(&srv.endpoint).await;
+    let add = rdma_rpc::__private::method_id("Probe.add");
+    let mut bytes = frame(Kind::Request, 1, 0x1234_5678, &[]);
+    bytes.extend(frame(Kind::Request, 2, add, &[0xff; 3]));
+    // A valid call after the bad ones: add(5, 6) with bincode varints.
+    bytes.extend(frame(Kind::Request, 3, add, &[5, 6]));
+    s.write_all(&bytes).await.unwrap();
+    let mut got = Vec::new();
+    let mut buf = vec![0u8; 4096];
+    while decode_all(&got).len() < 3 {
+        let n = tokio::time::timeout(EVENTUALLY, s.read(&mut buf))
+            .await
+            .expect("answers")
+            .unwrap();
+        assert!(n > 0, "server closed early");
+        got.extend_from_slice(&buf[..n]);
+    }
+    let mut msgs = decode_all(&got);
+    msgs.sort_by_key(|m| m.header.id);
+    assert_eq!(
+        ServerErrorKind::from_code(msgs[0].header.aux),
+        ServerErrorKind::UnknownMethod
+    );
+    assert_eq!(
+        ServerErrorKind::from_code(msgs[1].header.aux),
+        ServerErrorKind::BadRequest
+    );
+    assert_eq!(msgs[2].header.aux, 0);
+    assert_eq!(&msgs[2].body[..], &[11]);
+    srv.shutdown.shutdown();
+}
+
+/// The deadline travels with the request: a caller that never times out by itself (raw
+/// frames, no client timer) still gets DeadlineExceeded, and the handler is dropped.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn deadline_enforced_by_server() {
+    let srv = suite::start(&ep(), Config::default()).await;
+    let mut s = raw(&srv.endpoint).await;
+    let block = rdma_rpc::__private::method_id("Probe.block");
+    let mut f = frame(Kind::Request, 5, block, &[13]);
+    f[20..24].copy_from_slice(&100_000u32.to_le_bytes()); // 100 ms
+    s.write_all(&f).await.unwrap();
+    srv.probes.dropped(13).await;
+    let mut got = Vec::new();
+    let mut buf = vec![0u8; 1024];
+    while decode_all(&got).is_empty() {
+        let n = tokio::time::timeout(EVENTUALLY, s.read(&mut buf))
+            .await
+            .expect("an answer")
+            .unwrap();
+        assert!(n > 0);
+        got.extend_from_slice(&buf[..n]);
+    }
+    let m = &decode_all(&got)[0];
+    assert_eq!(m.header.id, 5);
+    assert_eq!(
+        ServerErrorKind::from_code(m.header.aux),
+        ServerErrorKind::DeadlineExceeded
+    );
+    srv.shutdown.shutdown();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn dead_server_is_noticed_by_keepalive() {
+    // A "server" that accepts and reads but never answers anything, pings included.
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let silent = tokio::spawn(async move {
+        let (mut s, _) = listener.accept().await.unwrap();
+        let mut sink = vec![0u8; 1024];
+        while s.read(&mut sink).await.map(|n| n > 0).unwrap_or(false) {}
+    });
+    let ep: Endpoint = format!("tcp://{addr}?keepalive_ms=50&keepalive_timeout_ms=300")
+        .parse()
+        .unwrap();
+    let client = suite::connect(&ep).await;
+    let r = tokio::time::timeout(EVENTUALLY, client.add(1, 2))
+        .await
+        .expect("the call fails instead of hanging");
+    assert!(matches!(r, Err(RpcError::ConnectionClosed)), "{r:?}");
+    assert!(client.client().is_closed());
+    silent.abort();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn silent_client_is_dropped_by_the_server() {
+    let bind: Endpoint = "tcp://127.0.0.1:0?keepalive_ms=50&keepalive_timeout_ms=300"
+        .parse()
+        .unwrap();
+    let srv = suite::start(&bind, Config::default()).await;
+    let mut silent = raw(&srv.endpoint).await;
+    // It receives pings, never answers; the server must hang up.
+    let got = read_to_close(&mut silent).await;
+    let msgs = decode_all(&got);
+    assert!(!msgs.is_empty() && msgs.iter().all(|m| m.header.kind == Kind::Ping));
+    srv.shutdown.shutdown();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_peer_vanishing_mid_call_fails_the_call() {
+    // A server that reads one request then drops the connection.
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    tokio::spawn(async move {
+        let (mut s, _) = listener.accept().await.unwrap();
+        let mut head = [0u8; HEADER_LEN];
+        s.read_exact(&mut head).await.unwrap();
+    });
+    let ep: Endpoint = format!("tcp://{addr}").parse().unwrap();
+    let client = suite::connect(&ep).await;
+    let r = tokio::time::timeout(EVENTUALLY, client.echo(vec![1u8; 1 << 20].into()))
+        .await
+        .expect("fails, not hangs");
+    assert!(matches!(r, Err(RpcError::ConnectionClosed)), "{r:?}");
+}
+
+/// Feeding the server hundreds of bad connections does not grow its memory.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bad_input_does_not_grow_memory() {
+    let srv = suite::start(&ep(), Config::default()).await;
+    let good = suite::connect(&srv.endpoint).await;
+    let add = rdma_rpc::__private::method_id("Probe.add");
+    let bad_inputs: Vec<Vec<u8>> = vec![
+        b"garbage garbage garbage garbage garbage".to_vec(),
+        {
+            let mut f = frame(Kind::Request, 9, add, &[]);
+            f[24..32].copy_from_slice(&(1u64 << 62).to_le_bytes());
+            f
+        },
+        {
+            let mut f = frame(Kind::Request, 9, add, &[1, 2, 3]);
+            f[6] = 0xff; // 255 attachments claimed
+            f
+        },
+        frame(Kind::Request, 9, add, &[0xff; 64])[..50].to_vec(),
+    ];
+    let round = |n: usize| {
+        let bad_inputs = bad_inputs.clone();
+        let ep = srv.endpoint.clone();
+        async move {
+            for i in 0..n {
+                let mut s = raw(&ep).await;
+                s.write_all(&bad_inputs[i % bad_inputs.len()]).await.unwrap();
+                s.shutdown().await.ok();
+                read_to_close(&mut s).await;
+            }
+        }
+    };
+    round(100).await;
+    let before = rss_bytes();
+    round(400).await;
+    let after = rss_bytes();
+    assert!(
+        after < before + (16 << 20),
+        "RSS grew from {before} to {after} bytes over 400 bad connections"
+    );
+    assert_eq!(good.add(1, 1).await.unwrap(), 2);
+    srv.shutdown.shutdown();
+}
+
+fn rss_bytes() -> u64 {
+    let statm = std::fs::read_to_string("/proc/self/statm").unwrap();
+    let pages: u64 = statm.split_whitespace().nth(1).unwrap().parse().unwrap();
+    pages * 4096
+}
+
+#[tokio::test]
+async fn rdma_endpoint_without_transport_is_unavailable() {
+    let ep: Endpoint = "rdma://127.0.0.1:1".parse().unwrap();
+    let e = rdma_rpc::Client::connect(&ep).await.unwrap_err();
+    assert!(matches!(e, RpcError::Unavailable(_)), "{e}");
+    assert!(e.to_string().contains("rdma://127.0.0.1:1"), "{e}");
+    let e = rdma_rpc::Server::bind(&ep).await.unwrap_err();
+    assert!(matches!(e, RpcError::Unavailable(_)), "{e}");
+}
+
+#[tokio::test]
+async fn connection_refused_is_unavailable() {
+    let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let port = l.local_addr().unwrap().port();
+    drop(l);
+    let ep: Endpoint = format!("tcp://127.0.0.1:{port}").parse().unwrap();
+    let e = rdma_rpc::Client::connect(&ep).await.unwrap_err();
+    assert!(matches!(e, RpcError::Unavailable(_)), "{e}");
+    let _ = Duration::ZERO;
+}

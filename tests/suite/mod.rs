@@ -1,0 +1,392 @@
+//! The end-to-end suite, written against an endpoint so that every transport runs the same
+//! checks: `tests/e2e_tcp.rs` runs it over TCP loopback, the RDMA tests in the guest over rxe
+//! and siw.
+#![allow(dead_code, missing_docs, unreachable_pub)]
+
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use rdma_rpc::codec::Bincode;
+use rdma_rpc::{
+    rdma_service, Client, Config, Endpoint, Payload, RpcError, Server, ServerErrorKind,
+    ShutdownHandle,
+};
+use tokio::sync::{mpsc, Mutex, Semaphore};
+
+/// Generous bound for waiting on an event that must happen; a failure, not a pacing device.
+pub const EVENTUALLY: Duration = Duration::from_secs(30);
+
+#[rdma_service]
+pub trait Probe {
+    async fn echo(&self, data: Payload) -> Payload;
+    async fn add(&self, a: u64, b: u64) -> u64;
+    /// Waits until the test opens the gate; reports start and drop.
+    async fn block(&self, tag: u64) -> u64;
+    async fn explode(&self, why: String) -> u64;
+}
+
+#[derive(Default)]
+pub struct Events {
+    pub running: AtomicUsize,
+    pub max_running: AtomicUsize,
+}
+
+pub struct ProbeImpl {
+    pub gate: Arc<Semaphore>,
+    pub events: Arc<Events>,
+    started: mpsc::UnboundedSender<u64>,
+    dropped: mpsc::UnboundedSender<u64>,
+}
+
+pub struct Probes {
+    pub gate: Arc<Semaphore>,
+    pub events: Arc<Events>,
+    pub started: Mutex<mpsc::UnboundedReceiver<u64>>,
+    pub dropped: Mutex<mpsc::UnboundedReceiver<u64>>,
+}
+
+impl Probes {
+    /// Waits for handler `tag` to start.
+    pub async fn started(&self, tag: u64) {
+        let mut rx = self.started.lock().await;
+        tokio::time::timeout(EVENTUALLY, async {
+            while let Some(t) = rx.recv().await {
+                if t == tag {
+                    return;
+                }
+            }
+            panic!("server gone");
+        })
+        .await
+        .unwrap_or_else(|_| panic!("handler {tag} never started"));
+    }
+
+    /// Waits for handler `tag` to be dropped before it finished (cancelled or past deadline).
+    pub async fn dropped(&self, tag: u64) {
+        let mut rx = self.dropped.lock().await;
+        tokio::time::timeout(EVENTUALLY, async {
+            while let Some(t) = rx.recv().await {
+                if t == tag {
+                    return;
+                }
+            }
+            panic!("server gone");
+        })
+        .await
+        .unwrap_or_else(|_| panic!("handler {tag} was never dropped"));
+    }
+}
+
+pub fn probe() -> (ProbeImpl, Probes) {
+    let gate = Arc::new(Semaphore::new(0));
+    let events = Arc::new(Events::default());
+    let (s_tx, s_rx) = mpsc::unbounded_channel();
+    let (d_tx, d_rx) = mpsc::unbounded_channel();
+    (
+        ProbeImpl {
+            gate: gate.clone(),
+            events: events.clone(),
+            started: s_tx,
+            dropped: d_tx,
+        },
+        Probes {
+            gate,
+            events,
+            started: Mutex::new(s_rx),
+            dropped: Mutex::new(d_rx),
+        },
+    )
+}
+
+struct DropReport {
+    tag: u64,
+    tx: mpsc::UnboundedSender<u64>,
+    finished: bool,
+    events: Arc<Events>,
+}
+
+impl Drop for DropReport {
+    fn drop(&mut self) {
+        self.events.running.fetch_sub(1, Ordering::SeqCst);
+        if !self.finished {
+            let _ = self.tx.send(self.tag);
+        }
+    }
+}
+
+impl Probe for ProbeImpl {
+    async fn echo(&self, data: Payload) -> Payload {
+        data
+    }
+
+    async fn add(&self, a: u64, b: u64) -> u64 {
+        a.wrapping_add(b)
+    }
+
+    async fn block(&self, tag: u64) -> u64 {
+        let now = self.events.running.fetch_add(1, Ordering::SeqCst) + 1;
+        self.events.max_running.fetch_max(now, Ordering::SeqCst);
+        let mut report = DropReport {
+            tag,
+            tx: self.dropped.clone(),
+            finished: false,
+            events: self.events.clone(),
+        };
+        let _ = self.started.send(tag);
+        self.gate.acquire().await.expect("gate open").forget();
+        report.finished = true;
+        tag
+    }
+
+    async fn explode(&self, why: String) -> u64 {
+        panic!("{why}");
+    }
+}
+
+/// A running probe server.
+pub struct Running {
+    pub endpoint: Endpoint,
+    pub shutdown: ShutdownHandle,
+    pub probes: Probes,
+    pub serving: tokio::task::JoinHandle<Result<(), RpcError>>,
+    pub stats: Arc<rdma_rpc::core::server::ServerStats>,
+}
+
+pub async fn start(bind: &Endpoint, config: Config) -> Running {
+    let server = Server::bind_with(bind, config).await.expect("bind");
+    let endpoint = server.local_endpoint();
+    let shutdown = server.shutdown_handle();
+    let stats = server.stats();
+    let (imp, probes) = probe();
+    let serving = tokio::spawn(server.serve(ProbeServer::new(imp)));
+    Running {
+        endpoint,
+        shutdown,
+        probes,
+        serving,
+        stats,
+    }
+}
+
+pub async fn connect(ep: &Endpoint) -> ProbeClient {
+    ProbeClient::connect(ep).await.expect("connect")
+}
+
+pub async fn connect_with(ep: &Endpoint, config: Config) -> ProbeClient {
+    ProbeClient::from_client(Client::connect_with(ep, config).await.expect("connect"))
+}
+
+fn pattern(len: usize, seed: u8) -> Vec<u8> {
+    (0..len)
+        .map(|i| (i as u8).wrapping_mul(31).wrapping_add(seed) ^ (i >> 8) as u8)
+        .collect()
+}
+
+// ---------------------------------------------------------------------------------------------
+
+/// Payloads of 0 B, 1 B, around the eager threshold, 1 MiB and 64 MiB come back byte-exact.
+pub async fn round_trip_sizes(bind: &Endpoint) {
+    let srv = start(bind, Config::default()).await;
+    let client = connect(&srv.endpoint).await;
+    let t = Config::default().eager_threshold;
+    for (i, len) in [0, 1, t - 1, t, t + 1, 1 << 20, 64 << 20].into_iter().enumerate() {
+        let data = pattern(len, i as u8);
+        let back = client.echo(Payload::from(data.clone())).await.expect("echo");
+        assert_eq!(back.len(), len, "length of a {len}-byte round trip");
+        assert!(back == data, "bytes of a {len}-byte round trip differ");
+    }
+    srv.shutdown.shutdown();
+}
+
+/// Messages whose whole frame sits at the eager threshold and one byte either side.
+pub async fn frame_at_threshold(bind: &Endpoint) {
+    let srv = start(bind, Config::default()).await;
+    let client = connect(&srv.endpoint).await;
+    let t = Config::default().eager_threshold;
+    // Header 32 + table 8 + body (index varint, 1 byte) = 41 bytes besides the payload.
+    for len in [t - 42, t - 41, t - 40] {
+        let data = pattern(len, 7);
+        let back = client.echo(Payload::from(data.clone())).await.expect("echo");
+        assert!(back == data, "frame around the threshold: {len}");
+    }
+    srv.shutdown.shutdown();
+}
+
+/// 10,000 calls at once from many tasks on one client, all answered correctly.
+pub async fn many_concurrent_calls(bind: &Endpoint) {
+    let srv = start(bind, Config::default()).await;
+    let client = connect(&srv.endpoint).await;
+    let calls: Vec<_> = (0..10_000u64)
+        .map(|i| {
+            let c = client.clone();
+            tokio::spawn(async move { (i, c.add(i, 1_000_000).await) })
+        })
+        .collect();
+    for call in calls {
+        let (i, r) = call.await.expect("task");
+        assert_eq!(r.expect("call"), i + 1_000_000);
+    }
+    srv.shutdown.shutdown();
+}
+
+/// A call past its deadline fails with DeadlineExceeded, and the server drops the handler.
+pub async fn deadline(bind: &Endpoint) {
+    let srv = start(bind, Config::default()).await;
+    let client = connect(&srv.endpoint).await;
+    let r = client.with_timeout(Duration::from_millis(200)).block(11).await;
+    assert!(matches!(r, Err(RpcError::DeadlineExceeded)), "{r:?}");
+    srv.probes.dropped(11).await;
+    // The connection is still good.
+    assert_eq!(client.add(2, 3).await.unwrap(), 5);
+    srv.shutdown.shutdown();
+}
+
+/// Dropping a call's future stops the handler on the server.
+pub async fn cancellation(bind: &Endpoint) {
+    let srv = start(bind, Config::default()).await;
+    let client = connect(&srv.endpoint).await;
+    let c = client.clone();
+    let call = tokio::spawn(async move { c.block(21).await });
+    srv.probes.started(21).await;
+    call.abort();
+    srv.probes.dropped(21).await;
+    assert_eq!(client.add(1, 1).await.unwrap(), 2);
+    srv.shutdown.shutdown();
+}
+
+/// A panicking handler answers its caller with an error; connection and server live on.
+pub async fn handler_panic(bind: &Endpoint) {
+    let srv = start(bind, Config::default()).await;
+    let client = connect(&srv.endpoint).await;
+    let e = client.explode("kaboom".into()).await.unwrap_err();
+    assert_eq!(e.server_kind(), Some(ServerErrorKind::Panicked), "{e}");
+    assert!(e.to_string().contains("kaboom"), "{e}");
+    assert_eq!(client.add(40, 2).await.unwrap(), 42);
+    let other = connect(&srv.endpoint).await;
+    assert_eq!(other.add(1, 2).await.unwrap(), 3);
+    srv.shutdown.shutdown();
+}
+
+/// Unknown method ids and undecodable arguments get answers that say so.
+pub async fn unknown_method_and_bad_arguments(bind: &Endpoint) {
+    let srv = start(bind, Config::default()).await;
+    let client = connect(&srv.endpoint).await;
+    let raw = client.client();
+    let id = rdma_rpc::__private::method_id("Probe.nope");
+    let e = raw
+        .call::<Bincode, _, u64>(id, "Probe.nope", &(1u64,))
+        .await
+        .unwrap_err();
+    assert_eq!(e.server_kind(), Some(ServerErrorKind::UnknownMethod), "{e}");
+    assert!(e.to_string().contains("Probe"), "{e}");
+    let add = rdma_rpc::__private::method_id("Probe.add");
+    let e = raw
+        .call::<Bincode, _, u64>(add, "Probe.add", &("not", "numbers"))
+        .await
+        .unwrap_err();
+    assert_eq!(e.server_kind(), Some(ServerErrorKind::BadRequest), "{e}");
+    assert!(e.to_string().contains("Probe.add"), "{e}");
+    assert_eq!(client.add(1, 2).await.unwrap(), 3);
+    srv.shutdown.shutdown();
+}
+
+/// The client keeps at most `max_in_flight` calls on the wire; the rest wait, then finish.
+pub async fn client_flow_control(bind: &Endpoint) {
+    let srv = start(bind, Config::default()).await;
+    let mut config = Config::default();
+    config.max_in_flight = 4;
+    let client = connect_with(&srv.endpoint, config).await;
+    let calls: Vec<_> = (0..20u64)
+        .map(|i| {
+            let c = client.clone();
+            tokio::spawn(async move { c.block(100 + i).await })
+        })
+        .collect();
+    // Wait until the window is full, then let everything through.
+    for _ in 0..4 {
+        tokio::time::timeout(EVENTUALLY, srv.probes.started.lock().await.recv())
+            .await
+            .expect("four calls start");
+    }
+    srv.probes.gate.add_permits(20);
+    for (i, c) in calls.into_iter().enumerate() {
+        assert_eq!(c.await.unwrap().unwrap(), 100 + i as u64);
+    }
+    assert_eq!(srv.probes.events.max_running.load(Ordering::SeqCst), 4);
+    srv.shutdown.shutdown();
+}
+
+/// The server runs at most `max_concurrent_handlers` handlers, across connections.
+pub async fn server_flow_control(bind: &Endpoint) {
+    let mut config = Config::default();
+    config.max_concurrent_handlers = 2;
+    let srv = start(bind, config).await;
+    let mut calls = Vec::new();
+    for c in 0..3u64 {
+        let client = connect(&srv.endpoint).await;
+        for i in 0..5u64 {
+            let client = client.clone();
+            calls.push(tokio::spawn(async move { client.block(c * 10 + i).await }));
+        }
+    }
+    for _ in 0..2 {
+        tokio::time::timeout(EVENTUALLY, srv.probes.started.lock().await.recv())
+            .await
+            .expect("two calls start");
+    }
+    srv.probes.gate.add_permits(15);
+    for c in calls {
+        c.await.unwrap().unwrap();
+    }
+    assert_eq!(srv.probes.events.max_running.load(Ordering::SeqCst), 2);
+    srv.shutdown.shutdown();
+}
+
+/// Graceful shutdown: calls in flight finish and answer, new calls are refused, serve returns.
+pub async fn graceful_shutdown(bind: &Endpoint) {
+    let srv = start(bind, Config::default()).await;
+    let client = connect(&srv.endpoint).await;
+    let c = client.clone();
+    let long = tokio::spawn(async move { c.block(31).await });
+    srv.probes.started(31).await;
+    srv.shutdown.shutdown();
+    // New calls on the open connection are refused with a clear error (which one depends on
+    // whether the go-away frame or the call got there first).
+    let e = client.add(1, 1).await.unwrap_err();
+    assert!(
+        matches!(e, RpcError::Unavailable(_)) || e.server_kind() == Some(ServerErrorKind::ShuttingDown),
+        "{e}"
+    );
+    assert!(e.to_string().contains("shutting down"), "{e}");
+    srv.probes.gate.add_permits(1);
+    assert_eq!(long.await.unwrap().unwrap(), 31);
+    tokio::time::timeout(EVENTUALLY, srv.serving)
+        .await
+        .expect("serve returns after draining")
+        .unwrap()
+        .unwrap();
+    // And nobody is listening any more.
+    assert!(ProbeClient::connect(&srv.endpoint).await.is_err());
+}
+
+/// Messages over the limit are refused before anything is sent (client) or reserved (server).
+pub async fn size_limits(bind: &Endpoint) {
+    let mut small = Config::default();
+    small.max_message_size = 1 << 20;
+    let srv = start(bind, small.clone()).await;
+    // Client-side limit: refused locally.
+    let limited = connect_with(&srv.endpoint, small).await;
+    let e = limited.echo(Payload::from(vec![0u8; 2 << 20])).await.unwrap_err();
+    assert!(matches!(e, RpcError::TooLarge { .. }), "{e}");
+    assert_eq!(limited.add(1, 1).await.unwrap(), 2);
+    // Server-side limit: the server answers TooLarge and closes that connection only.
+    let big = connect(&srv.endpoint).await;
+    let e = big.echo(Payload::from(vec![0u8; 2 << 20])).await.unwrap_err();
+    assert!(
+        e.server_kind() == Some(ServerErrorKind::TooLarge) || matches!(e, RpcError::ConnectionClosed),
+        "{e}"
+    );
+    assert_eq!(limited.add(2, 2).await.unwrap(), 4);
+    srv.shutdown.shutdown();
+}
