@@ -160,7 +160,13 @@ impl Client {
 
     /// Number of calls waiting for an answer.
     pub fn in_flight(&self) -> usize {
-        self.inner.state.calls.lock().expect("calls lock").waiting.len()
+        self.inner
+            .state
+            .calls
+            .lock()
+            .expect("calls lock")
+            .waiting
+            .len()
     }
 
     /// Calls method `method` (named `name`, for errors and traces) with `args`, decoding the
@@ -202,11 +208,12 @@ impl Client {
                 });
             }
             let reply = match deadline {
-                Some(d) => match tokio::time::timeout_at(d, exchange(&inner, msg, deadline)).await
-                {
-                    Ok(r) => r?,
-                    Err(_) => return Err(RpcError::DeadlineExceeded),
-                },
+                Some(d) => {
+                    match tokio::time::timeout_at(d, exchange(&inner, msg, deadline)).await {
+                        Ok(r) => r?,
+                        Err(_) => return Err(RpcError::DeadlineExceeded),
+                    }
+                }
                 None => exchange(&inner, msg, None).await?,
             };
             decode_reply::<C, R>(reply)
@@ -239,7 +246,10 @@ impl Drop for CallGuard<'_> {
             .is_some();
         if was_waiting {
             tracing::debug!(id = self.id, "call dropped; cancelling it on the server");
-            let _ = self.inner.outbox.send(Message::control(Kind::Cancel, self.id));
+            let _ = self
+                .inner
+                .outbox
+                .send(Message::control(Kind::Cancel, self.id));
         }
     }
 }

@@ -64,15 +64,7 @@ impl Codec for Bincode {
     }
 
     fn decode<T: DeserializeOwned>(bytes: &[u8]) -> Result<T, CodecError> {
-        decode_with_limit!(
-            bytes,
-            1 << 12,
-            1 << 16,
-            1 << 20,
-            1 << 24,
-            1 << 28,
-            1 << 31
-        )
+        decode_with_limit!(bytes, 1 << 12, 1 << 16, 1 << 20, 1 << 24, 1 << 28, 1 << 31)
     }
 }
 

@@ -159,10 +159,16 @@ impl FromStr for Endpoint {
         if host.is_empty() {
             return Err(err("empty host"));
         }
-        if host.contains(['/', '?', '#', '@', ' ']) || (!authority.starts_with('[') && host.contains(':')) {
-            return Err(err("invalid character in host (IPv6 addresses go in brackets)"));
+        if host.contains(['/', '?', '#', '@', ' '])
+            || (!authority.starts_with('[') && host.contains(':'))
+        {
+            return Err(err(
+                "invalid character in host (IPv6 addresses go in brackets)",
+            ));
         }
-        let port: u16 = port.parse().map_err(|_| err("port is not a number from 0 to 65535"))?;
+        let port: u16 = port
+            .parse()
+            .map_err(|_| err("port is not a number from 0 to 65535"))?;
         let mut options = Vec::new();
         if let Some(q) = query {
             for pair in q.split('&').filter(|p| !p.is_empty()) {

@@ -48,6 +48,8 @@ mod endpoint;
 mod error;
 pub mod mem;
 pub mod payload;
+pub mod pool;
+pub mod rendezvous;
 pub mod server;
 pub mod transport;
 pub mod wire;

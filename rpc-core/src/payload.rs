@@ -164,7 +164,10 @@ thread_local! {
 
 /// Runs `encode` with payload collection on: every `Payload` it serialises is appended to
 /// `attachments` and serialised as its index.
-pub(crate) fn collect_attachments<R>(attachments: &mut Vec<Payload>, encode: impl FnOnce() -> R) -> R {
+pub(crate) fn collect_attachments<R>(
+    attachments: &mut Vec<Payload>,
+    encode: impl FnOnce() -> R,
+) -> R {
     let prev = OUTGOING.with(|o| o.borrow_mut().replace(std::mem::take(attachments)));
     let r = encode();
     OUTGOING.with(|o| {

@@ -59,7 +59,10 @@ impl Request {
     }
 
     /// Decodes the arguments of method `name`; failure is a `BadRequest` for the caller.
-    pub fn decode<C: Codec, T: DeserializeOwned>(self, name: &'static str) -> Result<T, ServerError> {
+    pub fn decode<C: Codec, T: DeserializeOwned>(
+        self,
+        name: &'static str,
+    ) -> Result<T, ServerError> {
         let body = self.body;
         with_attachments(self.attachments, || C::decode::<T>(&body)).map_err(|e| {
             ServerError::new(
@@ -265,7 +268,12 @@ async fn serve_connection<T: Transport, S: Service>(transport: T, service: Arc<S
         }
     }
     // The peer is gone or we are done: stop whatever still runs for it.
-    let left: Vec<AbortHandle> = calls.lock().expect("calls lock").drain().map(|(_, h)| h).collect();
+    let left: Vec<AbortHandle> = calls
+        .lock()
+        .expect("calls lock")
+        .drain()
+        .map(|(_, h)| h)
+        .collect();
     if !left.is_empty() {
         tracing::debug!(calls = left.len(), "aborting calls of a closed connection");
     }
@@ -321,9 +329,17 @@ fn start_call<S: Service>(
     let id = msg.header.id;
     let method = msg.header.method;
     let Some(name) = service.method_name(method) else {
-        tracing::warn!(id, method = format_args!("{method:#010x}"), "unknown method");
-        refuse(outbox, id, ServerErrorKind::UnknownMethod,
-            &format!("{} serves no method with id {method:#010x}", S::NAME));
+        tracing::warn!(
+            id,
+            method = format_args!("{method:#010x}"),
+            "unknown method"
+        );
+        refuse(
+            outbox,
+            id,
+            ServerErrorKind::UnknownMethod,
+            &format!("{} serves no method with id {method:#010x}", S::NAME),
+        );
         return;
     };
     let deadline = match msg.header.aux {
@@ -335,7 +351,12 @@ fn start_call<S: Service>(
     if table.contains_key(&id) {
         drop(table);
         tracing::warn!(id, "duplicate request id from client");
-        refuse(outbox, id, ServerErrorKind::BadRequest, "a call with this request id is already running");
+        refuse(
+            outbox,
+            id,
+            ServerErrorKind::BadRequest,
+            "a call with this request id is already running",
+        );
         return;
     }
     let work = run_call(
@@ -352,7 +373,8 @@ fn start_call<S: Service>(
     );
     // The task removes itself from `calls` under this lock, so it cannot finish before its
     // abort handle is in the table.
-    let handle = handlers.spawn(work.instrument(tracing::debug_span!("handler", method = name, id)));
+    let handle =
+        handlers.spawn(work.instrument(tracing::debug_span!("handler", method = name, id)));
     table.insert(id, handle.abort_handle());
 }
 
@@ -413,7 +435,11 @@ async fn run_call<S: Service>(
         Err(panic) => {
             let what = panic_message(&*panic);
             tracing::error!(panic = %what, "handler panicked");
-            error_message(id, ServerErrorKind::Panicked, &format!("{name} panicked: {what}"))
+            error_message(
+                id,
+                ServerErrorKind::Panicked,
+                &format!("{name} panicked: {what}"),
+            )
         }
     };
     // Still in the table means nobody cancelled the call: answer it.

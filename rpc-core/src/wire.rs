@@ -225,7 +225,8 @@ pub enum FrameError {
 impl FrameError {
     /// The `FrameError` inside an `io::Error` produced by a decoder, if any.
     pub fn from_io(e: &io::Error) -> Option<&FrameError> {
-        e.get_ref().and_then(|inner| inner.downcast_ref::<FrameError>())
+        e.get_ref()
+            .and_then(|inner| inner.downcast_ref::<FrameError>())
     }
 }
 
@@ -306,9 +307,9 @@ impl WireHeader {
         debug_assert_eq!(rest.len() as u64, self.len);
         let n = self.n_attach as usize;
         let table = rest.split_to(8 * n);
-        let lens = table.chunks_exact(8).map(|c| {
-            u64::from_le_bytes(c.try_into().expect("chunks of 8"))
-        });
+        let lens = table
+            .chunks_exact(8)
+            .map(|c| u64::from_le_bytes(c.try_into().expect("chunks of 8")));
         // Validate first, so that nothing is split off a frame that turns out to be bad.
         let mut total: u64 = 0;
         for l in lens.clone() {

@@ -32,7 +32,9 @@ fn sample() -> Message {
 fn round_trip_whole() {
     let m = sample();
     let mut buf = BytesMut::new();
-    FrameCodec::new(limits()).encode(m.clone(), &mut buf).unwrap();
+    FrameCodec::new(limits())
+        .encode(m.clone(), &mut buf)
+        .unwrap();
     assert_eq!(buf.len() as u64, m.wire_len());
     let got = FrameCodec::new(limits()).decode(&mut buf).unwrap().unwrap();
     assert_eq!(got, m);
@@ -69,7 +71,10 @@ fn attachments_share_the_read_buffer() {
     let end = base + buf.len();
     let got = FrameCodec::new(limits()).decode(&mut buf).unwrap().unwrap();
     let p = got.attachments[0].as_ptr() as usize;
-    assert!(p >= base && p < end, "attachment was copied out of the frame buffer");
+    assert!(
+        p >= base && p < end,
+        "attachment was copied out of the frame buffer"
+    );
 }
 
 fn header_bytes(f: impl FnOnce(&mut [u8; HEADER_LEN])) -> BytesMut {
@@ -83,7 +88,9 @@ fn header_bytes(f: impl FnOnce(&mut [u8; HEADER_LEN])) -> BytesMut {
 fn frame_error(mut buf: BytesMut) -> FrameError {
     let e = FrameCodec::new(limits()).decode(&mut buf).unwrap_err();
     assert_eq!(e.kind(), std::io::ErrorKind::InvalidData);
-    FrameError::from_io(&e).cloned().expect("a FrameError inside")
+    FrameError::from_io(&e)
+        .cloned()
+        .expect("a FrameError inside")
 }
 
 #[test]
@@ -92,8 +99,14 @@ fn refuses_bad_headers_with_reasons() {
         frame_error(header_bytes(|h| h[0] = b'X')),
         FrameError::BadMagic([b'X', b'R'])
     );
-    assert_eq!(frame_error(header_bytes(|h| h[2] = 9)), FrameError::Version(9));
-    assert_eq!(frame_error(header_bytes(|h| h[3] = 0)), FrameError::UnknownKind(0));
+    assert_eq!(
+        frame_error(header_bytes(|h| h[2] = 9)),
+        FrameError::Version(9)
+    );
+    assert_eq!(
+        frame_error(header_bytes(|h| h[3] = 0)),
+        FrameError::UnknownKind(0)
+    );
     assert!(matches!(
         frame_error(header_bytes(|h| h[4] = 1)),
         FrameError::Flags { flags: 1, .. }

@@ -1,0 +1,730 @@
+//! The RDMA message protocol, free of I/O: how [`Message`]s travel over a reliable-connected
+//! queue pair as SENDs into pre-posted receive slots, and how large ones move by rendezvous.
+//!
+//! A transport (`transport-rdma`) owns the verbs objects and calls in here:
+//! - [`Plan::for_message`] decides whether a message goes eager (one SEND) or by rendezvous.
+//! - [`Packet`] is what travels in a receive slot; [`Packet::parse`] validates everything a
+//!   peer sends before any buffer is touched.
+//! - [`Credits`] keeps the sender from ever overrunning the receiver's posted slots (so no RNR
+//!   retries in normal work) and tells the receiver when to return credits.
+//! - [`Transfers`] tracks rendezvous transfers in both directions and refuses peer messages
+//!   that name a transfer it does not know or lengths that do not match: a forged or stale
+//!   message is a [`ProtocolViolation`] on that connection only.
+//!
+//! # Rendezvous, both directions
+//! Receiver-pull (`PullRts`): the sender exposes each attachment's registered buffer (address,
+//! length, rkey, read access) in the packet with the frame's inline part (header, table,
+//! body). The receiver takes pool buffers, RDMA-READs every segment, delivers the message with
+//! the pool buffers as its payloads, and sends `Fin` so the sender releases its buffers.
+//!
+//! Sender-push (`PushRts` → `Cts` → writes → `PushDone`): the sender announces the segment
+//! lengths with the inline part; the receiver grants pool buffers (write access) in `Cts`; the
+//! sender RDMA-WRITEs each and then signals `PushDone` (a SEND after the writes on the same
+//! queue pair, which RC ordering delivers after the data is placed; on InfiniBand/RoCE a
+//! transport may use WRITE_WITH_IMM instead, iWARP has none). The receiver then delivers and
+//! revokes the grant.
+//!
+//! # Ordering
+//! A rendezvous message is delivered when its bulk data has arrived, so an eager message sent
+//! after it may be delivered first. The rpc layer does not depend on order between messages:
+//! responses are matched by request id, and a `Cancel` that overtakes its request only means
+//! the late request's answer is dropped by the caller.
+//!
+//! # Packet layout (little endian)
+//! ```text
+//!  0     1      2        4        8             16
+//!  +-----+------+--------+--------+-------------+------------------------------+
+//!  |type |flags |credits |   n    | transfer id | type-specific                |
+//!  +-----+------+--------+--------+-------------+------------------------------+
+//!  Eager:    the whole rpc frame (wire::Message encoding)
+//!  PullRts:  n x (addr u64, len u64, rkey u32), then the frame's inline part
+//!  PushRts:  n x (len u64), then the frame's inline part
+//!  Cts:      n x (addr u64, len u64, rkey u32)
+//!  Fin, PushDone, Credit: nothing;  Refuse: reason u32
+//! ```
+//! `credits` returns that many receive slots to the peer on every packet. The frame's inline
+//! part is its header, attachment table and body; the attachments are the `n` segments, in
+//! order, with exactly the table's lengths.
+
+use std::collections::HashMap;
+
+use bytes::{Buf, BufMut, Bytes, BytesMut};
+
+use crate::wire::{FrameError, Limits, Message, WireHeader, HEADER_LEN};
+use crate::Payload;
+
+/// Size of the packet header.
+pub const PACKET_HEADER_LEN: usize = 16;
+const SEGMENT_LEN: usize = 20;
+
+/// A peer broke the RDMA message protocol. The connection it came on is closed; nothing else
+/// is affected.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum ProtocolViolation {
+    /// Fewer bytes than a packet header, or than the packet's type needs.
+    #[error("truncated {what}: {len} bytes")]
+    Truncated {
+        /// What was being read.
+        what: &'static str,
+        /// How many bytes there were.
+        len: usize,
+    },
+    /// Unknown packet type.
+    #[error("unknown packet type {0}")]
+    UnknownType(u8),
+    /// The rpc frame inside is invalid.
+    #[error("bad frame: {0}")]
+    Frame(#[from] FrameError),
+    /// Segment count or lengths do not match the frame's attachment table.
+    #[error("transfer {id}: {why}")]
+    Mismatch {
+        /// The transfer.
+        id: u64,
+        /// What did not match.
+        why: &'static str,
+    },
+    /// A message names a transfer that is not in progress (stale or forged).
+    #[error("transfer {0} is not in progress (stale or forged)")]
+    UnknownTransfer(u64),
+    /// A transfer id was reused while still in progress.
+    #[error("transfer {0} is already in progress")]
+    DuplicateTransfer(u64),
+    /// The peer sent more than its credits allow (it would overrun the posted slots).
+    #[error("peer sent without credit")]
+    NoCredit,
+    /// The peer refused a transfer.
+    #[error("peer refused transfer {id}: {reason}")]
+    Refused {
+        /// The transfer.
+        id: u64,
+        /// Its reason code.
+        reason: u32,
+    },
+}
+
+/// A remote buffer: where, how long, and the key that grants access to it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Segment {
+    /// Remote virtual address.
+    pub addr: u64,
+    /// Length in bytes.
+    pub len: u64,
+    /// Remote key.
+    pub rkey: u32,
+}
+
+/// Reason codes of [`Packet::Refuse`].
+pub mod refuse {
+    /// The message is larger than the receiver accepts.
+    pub const TOO_LARGE: u32 = 1;
+    /// The receiver has no buffers for it now and will not wait.
+    pub const NO_BUFFERS: u32 = 2;
+}
+
+/// What travels in one receive slot.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Packet {
+    /// A whole message.
+    Eager(Message),
+    /// Receiver-pull: read these segments, then send `Fin`.
+    PullRts {
+        /// Transfer id (the sender's).
+        id: u64,
+        /// The frame's header, table and body; attachments are the segments.
+        head: Inline,
+        /// The sender's buffers, one per attachment.
+        segments: Vec<Segment>,
+    },
+    /// Sender-push: grant buffers of these lengths with `Cts`.
+    PushRts {
+        /// Transfer id (the sender's).
+        id: u64,
+        /// The frame's header, table and body.
+        head: Inline,
+    },
+    /// Grant for a `PushRts`: write the attachments here.
+    Cts {
+        /// The transfer.
+        id: u64,
+        /// One buffer per attachment.
+        segments: Vec<Segment>,
+    },
+    /// The receiver has read a pulled transfer: the sender may reuse its buffers.
+    Fin {
+        /// The transfer.
+        id: u64,
+    },
+    /// The sender has written a pushed transfer.
+    PushDone {
+        /// The transfer.
+        id: u64,
+    },
+    /// Only returns credits.
+    Credit,
+    /// The transfer cannot be taken.
+    Refuse {
+        /// The transfer.
+        id: u64,
+        /// A [`refuse`] code.
+        reason: u32,
+    },
+}
+
+/// The inline part of a rendezvous message: its header, body and attachment lengths.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Inline {
+    /// The frame's header and lengths.
+    pub wire: WireHeader,
+    /// The body.
+    pub body: Bytes,
+    /// Attachment lengths, from the table.
+    pub lens: Vec<u64>,
+}
+
+impl Inline {
+    /// Assembles the message once its attachments have arrived.
+    pub fn into_message(self, attachments: Vec<Payload>) -> Message {
+        debug_assert_eq!(attachments.len(), self.lens.len());
+        Message {
+            header: self.wire.header,
+            body: self.body,
+            attachments,
+        }
+    }
+
+    /// Total bytes of the attachments.
+    pub fn bulk_len(&self) -> u64 {
+        self.lens.iter().sum()
+    }
+}
+
+const T_EAGER: u8 = 1;
+const T_PULL_RTS: u8 = 2;
+const T_PUSH_RTS: u8 = 3;
+const T_CTS: u8 = 4;
+const T_FIN: u8 = 5;
+const T_PUSH_DONE: u8 = 6;
+const T_CREDIT: u8 = 7;
+const T_REFUSE: u8 = 8;
+
+fn put_header(out: &mut BytesMut, ty: u8, credits: u16, n: u32, id: u64) {
+    out.put_u8(ty);
+    out.put_u8(0);
+    out.put_u16_le(credits);
+    out.put_u32_le(n);
+    out.put_u64_le(id);
+}
+
+fn put_segments(out: &mut BytesMut, segments: &[Segment]) {
+    for s in segments {
+        out.put_u64_le(s.addr);
+        out.put_u64_le(s.len);
+        out.put_u32_le(s.rkey);
+    }
+}
+
+/// Writes a message's inline part (header, table, body).
+fn put_inline(out: &mut BytesMut, msg: &Message) {
+    msg.encode_head(out);
+    out.extend_from_slice(&msg.body);
+}
+
+impl Packet {
+    /// Encodes an eager packet carrying all of `msg`.
+    pub fn encode_eager(out: &mut BytesMut, credits: u16, msg: &Message) {
+        put_header(out, T_EAGER, credits, 0, 0);
+        msg.encode_into(out);
+    }
+
+    /// Encodes a receiver-pull announcement of `msg` whose attachments are in `segments`.
+    pub fn encode_pull_rts(
+        out: &mut BytesMut,
+        credits: u16,
+        id: u64,
+        msg: &Message,
+        segments: &[Segment],
+    ) {
+        debug_assert_eq!(segments.len(), msg.attachments.len());
+        put_header(out, T_PULL_RTS, credits, segments.len() as u32, id);
+        put_segments(out, segments);
+        put_inline(out, msg);
+    }
+
+    /// Encodes a sender-push announcement of `msg`.
+    pub fn encode_push_rts(out: &mut BytesMut, credits: u16, id: u64, msg: &Message) {
+        put_header(out, T_PUSH_RTS, credits, msg.attachments.len() as u32, id);
+        for a in &msg.attachments {
+            out.put_u64_le(a.len() as u64);
+        }
+        put_inline(out, msg);
+    }
+
+    /// Encodes a grant of `segments` for push transfer `id`.
+    pub fn encode_cts(out: &mut BytesMut, credits: u16, id: u64, segments: &[Segment]) {
+        put_header(out, T_CTS, credits, segments.len() as u32, id);
+        put_segments(out, segments);
+    }
+
+    /// Encodes a packet with no payload (`Fin`, `PushDone`, `Credit`).
+    pub fn encode_control(out: &mut BytesMut, credits: u16, packet: &Packet) {
+        let (ty, id) = match packet {
+            Packet::Fin { id } => (T_FIN, *id),
+            Packet::PushDone { id } => (T_PUSH_DONE, *id),
+            Packet::Credit => (T_CREDIT, 0),
+            Packet::Refuse { id, reason } => {
+                put_header(out, T_REFUSE, credits, 0, *id);
+                out.put_u32_le(*reason);
+                return;
+            }
+            _ => panic!("encode_control takes Fin, PushDone, Credit or Refuse"),
+        };
+        put_header(out, ty, credits, 0, id);
+    }
+
+    /// Parses a received slot. Returns the packet and the credits it returns. Nothing in
+    /// `slot` is trusted: every count and length is checked against `limits` and the slot.
+    pub fn parse(mut slot: Bytes, limits: &Limits) -> Result<(Packet, u16), ProtocolViolation> {
+        if slot.len() < PACKET_HEADER_LEN {
+            return Err(ProtocolViolation::Truncated {
+                what: "packet header",
+                len: slot.len(),
+            });
+        }
+        let ty = slot.get_u8();
+        let _flags = slot.get_u8();
+        let credits = slot.get_u16_le();
+        let n = slot.get_u32_le();
+        let id = slot.get_u64_le();
+        if n > limits.max_attachments as u32 {
+            return Err(ProtocolViolation::Frame(FrameError::TooManyAttachments {
+                id,
+                count: n.min(u16::MAX as u32) as u16,
+                limit: limits.max_attachments,
+            }));
+        }
+        let n = n as usize;
+        let packet = match ty {
+            T_EAGER => {
+                let wire = parse_wire(&slot, limits)?;
+                let frame_len = HEADER_LEN as u64 + wire.len;
+                if slot.len() as u64 != frame_len {
+                    return Err(ProtocolViolation::Truncated {
+                        what: "eager frame",
+                        len: slot.len(),
+                    });
+                }
+                slot.advance(HEADER_LEN);
+                Packet::Eager(wire.split(slot)?)
+            }
+            T_PULL_RTS => {
+                let segments = take_segments(&mut slot, n)?;
+                let head = parse_inline(slot, id, limits)?;
+                check_lens(id, &head, segments.iter().map(|s| s.len))?;
+                Packet::PullRts { id, head, segments }
+            }
+            T_PUSH_RTS => {
+                need(&slot, 8 * n, "push lengths")?;
+                let lens: Vec<u64> = (0..n).map(|_| slot.get_u64_le()).collect();
+                let head = parse_inline(slot, id, limits)?;
+                check_lens(id, &head, lens.iter().copied())?;
+                Packet::PushRts { id, head }
+            }
+            T_CTS => {
+                let segments = take_segments(&mut slot, n)?;
+                Packet::Cts { id, segments }
+            }
+            T_FIN => Packet::Fin { id },
+            T_PUSH_DONE => Packet::PushDone { id },
+            T_CREDIT => Packet::Credit,
+            T_REFUSE => {
+                need(&slot, 4, "refuse reason")?;
+                Packet::Refuse {
+                    id,
+                    reason: slot.get_u32_le(),
+                }
+            }
+            other => return Err(ProtocolViolation::UnknownType(other)),
+        };
+        Ok((packet, credits))
+    }
+}
+
+fn need(b: &Bytes, n: usize, what: &'static str) -> Result<(), ProtocolViolation> {
+    if b.len() < n {
+        return Err(ProtocolViolation::Truncated { what, len: b.len() });
+    }
+    Ok(())
+}
+
+fn parse_wire(b: &Bytes, limits: &Limits) -> Result<WireHeader, ProtocolViolation> {
+    need(b, HEADER_LEN, "frame header")?;
+    let raw: &[u8; HEADER_LEN] = b[..HEADER_LEN].try_into().expect("length checked");
+    Ok(WireHeader::parse(raw, limits)?)
+}
+
+fn take_segments(b: &mut Bytes, n: usize) -> Result<Vec<Segment>, ProtocolViolation> {
+    need(b, SEGMENT_LEN * n, "segments")?;
+    Ok((0..n)
+        .map(|_| Segment {
+            addr: b.get_u64_le(),
+            len: b.get_u64_le(),
+            rkey: b.get_u32_le(),
+        })
+        .collect())
+}
+
+/// Parses an inline part: frame header, table, body (what follows the table up to the end of
+/// the slot). The attachments are not here.
+fn parse_inline(mut b: Bytes, id: u64, limits: &Limits) -> Result<Inline, ProtocolViolation> {
+    let wire = parse_wire(&b, limits)?;
+    b.advance(HEADER_LEN);
+    let n = wire.n_attach as usize;
+    need(&b, 8 * n, "attachment table")?;
+    let lens: Vec<u64> = (0..n).map(|_| b.get_u64_le()).collect();
+    let mut total = 8 * n as u64 + b.len() as u64;
+    for l in &lens {
+        total = total.checked_add(*l).ok_or(ProtocolViolation::Mismatch {
+            id,
+            why: "attachment lengths overflow",
+        })?;
+    }
+    if total != wire.len {
+        return Err(ProtocolViolation::Mismatch {
+            id,
+            why: "frame length does not match its table and body",
+        });
+    }
+    Ok(Inline {
+        wire,
+        body: b,
+        lens,
+    })
+}
+
+fn check_lens(
+    id: u64,
+    head: &Inline,
+    lens: impl ExactSizeIterator<Item = u64>,
+) -> Result<(), ProtocolViolation> {
+    if lens.len() != head.lens.len() {
+        return Err(ProtocolViolation::Mismatch {
+            id,
+            why: "segment count differs from the attachment count",
+        });
+    }
+    if lens.zip(&head.lens).any(|(a, b)| a != *b) {
+        return Err(ProtocolViolation::Mismatch {
+            id,
+            why: "segment length differs from the attachment length",
+        });
+    }
+    Ok(())
+}
+
+/// How a message will travel.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Plan {
+    /// One SEND with everything.
+    Eager,
+    /// Inline part by SEND, attachments by rendezvous.
+    Rendezvous(Direction),
+}
+
+/// Which side moves the bulk bytes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Direction {
+    /// The receiver RDMA-READs from the sender's exposed buffers.
+    Pull,
+    /// The sender RDMA-WRITEs into buffers the receiver granted.
+    Push,
+}
+
+/// Why a message cannot be sent on this connection.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("the message's header and body take {inline} bytes; a slot holds {slot} (put bulk data in Payloads)")]
+pub struct InlineTooLarge {
+    /// Bytes of header, table and body.
+    pub inline: usize,
+    /// Slot size.
+    pub slot: usize,
+}
+
+impl Plan {
+    /// Chooses how `msg` travels through slots of `slot_size` bytes: eager when the whole
+    /// frame fits (and is at most `eager_threshold`), otherwise a rendezvous in `direction`
+    /// if the inline part fits a slot.
+    pub fn for_message(
+        msg: &Message,
+        slot_size: usize,
+        eager_threshold: usize,
+        direction: Direction,
+    ) -> Result<Plan, InlineTooLarge> {
+        let whole = PACKET_HEADER_LEN as u64 + msg.wire_len();
+        if whole <= slot_size.min(eager_threshold.max(PACKET_HEADER_LEN + HEADER_LEN)) as u64 {
+            return Ok(Plan::Eager);
+        }
+        let per_segment = match direction {
+            Direction::Pull => SEGMENT_LEN,
+            Direction::Push => 8,
+        };
+        let inline = PACKET_HEADER_LEN
+            + per_segment * msg.attachments.len()
+            + HEADER_LEN
+            + 8 * msg.attachments.len()
+            + msg.body.len();
+        if inline > slot_size {
+            return Err(InlineTooLarge {
+                inline,
+                slot: slot_size,
+            });
+        }
+        Ok(Plan::Rendezvous(direction))
+    }
+}
+
+/// Send credits: how many SENDs the peer's posted receive slots can take, and how many of our
+/// own reposted slots we owe the peer.
+///
+/// One credit is kept back for packets that only return credits, so two peers that both ran
+/// out can always tell each other about freed slots: a data packet needs two credits, a pure
+/// credit return one.
+#[derive(Debug, Clone)]
+pub struct Credits {
+    available: u32,
+    owed: u32,
+    slots: u32,
+}
+
+impl Credits {
+    /// Both sides post `slots` receive slots at start-up.
+    pub fn new(slots: u32) -> Credits {
+        assert!(slots >= 2, "at least two receive slots");
+        Credits {
+            available: slots,
+            owed: 0,
+            slots,
+        }
+    }
+
+    /// Whether a data packet (anything but a pure credit return) may be sent now.
+    pub fn can_send(&self) -> bool {
+        self.available >= 2
+    }
+
+    /// Whether a pure credit return should be sent now: we owe at least half the window and
+    /// have the reserved credit for it.
+    pub fn should_return(&self) -> bool {
+        self.owed >= (self.slots / 2).max(1) && self.available >= 1
+    }
+
+    /// Takes one credit for a packet and the owed credits to piggyback on it.
+    pub fn take(&mut self) -> Option<u16> {
+        if self.available == 0 {
+            return None;
+        }
+        self.available -= 1;
+        let back = self.owed.min(u16::MAX as u32);
+        self.owed -= back;
+        Some(back as u16)
+    }
+
+    /// A packet arrived (consuming one of our slots) returning `credits` of the peer's.
+    pub fn on_receive(&mut self, credits: u16) -> Result<(), ProtocolViolation> {
+        let available = self.available + credits as u32;
+        if available > self.slots {
+            return Err(ProtocolViolation::NoCredit);
+        }
+        self.available = available;
+        Ok(())
+    }
+
+    /// We reposted a receive slot: owe the peer one credit.
+    pub fn on_slot_reposted(&mut self) {
+        self.owed += 1;
+        debug_assert!(self.owed <= self.slots);
+    }
+
+    /// Credits available now.
+    pub fn available(&self) -> u32 {
+        self.available
+    }
+
+    /// Credits owed to the peer.
+    pub fn owed(&self) -> u32 {
+        self.owed
+    }
+}
+
+/// State of a rendezvous transfer we receive.
+#[derive(Debug)]
+pub enum Incoming<B> {
+    /// Reading the sender's segments into `bufs`; `pending` reads outstanding.
+    Pulling {
+        /// Frame head.
+        head: Inline,
+        /// Our buffers, one per segment.
+        bufs: Vec<B>,
+        /// Reads not yet completed.
+        pending: usize,
+    },
+    /// Granted `bufs` to the sender; waiting for `PushDone`.
+    Granted {
+        /// Frame head.
+        head: Inline,
+        /// Our buffers, exposed to the peer for writing.
+        bufs: Vec<B>,
+    },
+}
+
+/// The rendezvous transfers of one connection, both directions. `B` is the transport's buffer
+/// handle (a registered pool buffer): the table holds it until the transfer ends, so a buffer
+/// the NIC may still touch is never freed or reused.
+#[derive(Debug)]
+pub struct Transfers<B> {
+    next_id: u64,
+    /// Ours, sent by pull: buffers exposed until the peer's `Fin`.
+    exposed: HashMap<u64, Vec<B>>,
+    /// Ours, sent by push: waiting for the peer's `Cts`.
+    announced: HashMap<u64, Vec<B>>,
+    /// Theirs.
+    incoming: HashMap<u64, Incoming<B>>,
+}
+
+impl<B> Default for Transfers<B> {
+    fn default() -> Self {
+        Transfers {
+            next_id: 1,
+            exposed: HashMap::new(),
+            announced: HashMap::new(),
+            incoming: HashMap::new(),
+        }
+    }
+}
+
+impl<B> Transfers<B> {
+    /// An empty table.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Registers an outgoing pull transfer whose source buffers are `bufs`; returns its id.
+    pub fn start_pull(&mut self, bufs: Vec<B>) -> u64 {
+        let id = self.fresh_id();
+        self.exposed.insert(id, bufs);
+        id
+    }
+
+    /// Registers an outgoing push transfer whose source buffers are `bufs`; returns its id.
+    pub fn start_push(&mut self, bufs: Vec<B>) -> u64 {
+        let id = self.fresh_id();
+        self.announced.insert(id, bufs);
+        id
+    }
+
+    fn fresh_id(&mut self) -> u64 {
+        let id = self.next_id;
+        self.next_id = self.next_id.wrapping_add(1).max(1);
+        id
+    }
+
+    /// The peer read our pull transfer `id`: its buffers may be released.
+    pub fn on_fin(&mut self, id: u64) -> Result<Vec<B>, ProtocolViolation> {
+        self.exposed
+            .remove(&id)
+            .ok_or(ProtocolViolation::UnknownTransfer(id))
+    }
+
+    /// The peer granted buffers for our push transfer `id`: returns our source buffers, to
+    /// write from and hold until the writes complete.
+    pub fn on_cts(
+        &mut self,
+        id: u64,
+        segments: &[Segment],
+        lens: impl ExactSizeIterator<Item = u64>,
+    ) -> Result<Vec<B>, ProtocolViolation> {
+        if !self.announced.contains_key(&id) {
+            return Err(ProtocolViolation::UnknownTransfer(id));
+        }
+        if segments.len() != lens.len() || segments.iter().map(|s| s.len).ne(lens) {
+            return Err(ProtocolViolation::Mismatch {
+                id,
+                why: "granted buffers do not match the announced lengths",
+            });
+        }
+        Ok(self.announced.remove(&id).expect("checked"))
+    }
+
+    /// The peer refused our transfer `id`: returns its buffers.
+    pub fn on_refuse(&mut self, id: u64) -> Result<Vec<B>, ProtocolViolation> {
+        self.exposed
+            .remove(&id)
+            .or_else(|| self.announced.remove(&id))
+            .ok_or(ProtocolViolation::UnknownTransfer(id))
+    }
+
+    /// The peer announced transfer `id`: we read into `bufs` (pull) or granted them (push).
+    pub fn begin_incoming(&mut self, id: u64, state: Incoming<B>) -> Result<(), ProtocolViolation> {
+        if self.incoming.contains_key(&id) {
+            return Err(ProtocolViolation::DuplicateTransfer(id));
+        }
+        self.incoming.insert(id, state);
+        Ok(())
+    }
+
+    /// One read of pull transfer `id` completed; when it was the last, returns the head and
+    /// buffers to deliver (and the caller sends `Fin`).
+    pub fn on_read_done(&mut self, id: u64) -> Result<Option<(Inline, Vec<B>)>, ProtocolViolation> {
+        match self.incoming.get_mut(&id) {
+            Some(Incoming::Pulling { pending, .. }) if *pending > 1 => {
+                *pending -= 1;
+                Ok(None)
+            }
+            Some(Incoming::Pulling { .. }) => match self.incoming.remove(&id) {
+                Some(Incoming::Pulling { head, bufs, .. }) => Ok(Some((head, bufs))),
+                _ => unreachable!("matched above"),
+            },
+            _ => Err(ProtocolViolation::UnknownTransfer(id)),
+        }
+    }
+
+    /// The peer finished writing push transfer `id`: returns the head and buffers to deliver.
+    pub fn on_push_done(&mut self, id: u64) -> Result<(Inline, Vec<B>), ProtocolViolation> {
+        match self.incoming.remove(&id) {
+            Some(Incoming::Granted { head, bufs }) => Ok((head, bufs)),
+            Some(other) => {
+                self.incoming.insert(id, other);
+                Err(ProtocolViolation::UnknownTransfer(id))
+            }
+            None => Err(ProtocolViolation::UnknownTransfer(id)),
+        }
+    }
+
+    /// Transfers in progress (ours and theirs).
+    pub fn len(&self) -> usize {
+        self.exposed.len() + self.announced.len() + self.incoming.len()
+    }
+
+    /// Whether no transfer is in progress.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Ends every transfer (the connection is gone) and hands back all buffers. The caller
+    /// must not return to the pool any buffer the NIC may still access until the queue pair
+    /// has been moved to the error state and its work requests flushed.
+    pub fn drain(&mut self) -> Vec<B> {
+        let mut out = Vec::new();
+        out.extend(self.exposed.drain().flat_map(|(_, b)| b));
+        out.extend(self.announced.drain().flat_map(|(_, b)| b));
+        for (_, t) in self.incoming.drain() {
+            match t {
+                Incoming::Pulling { bufs, .. } | Incoming::Granted { bufs, .. } => out.extend(bufs),
+            }
+        }
+        out
+    }
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,627 @@
+use std::collections::{HashMap, VecDeque};
+
+use bytes::{Bytes, BytesMut};
+
+use super::*;
+use crate::wire::{Header, Kind};
+
+fn limits() -> Limits {
+    Limits {
+        max_message_size: 1 << 30,
+        max_attachments: 16,
+    }
+}
+
+fn msg(id: u64, body: &[u8], atts: &[usize]) -> Message {
+    Message {
+        header: Header {
+            kind: Kind::Request,
+            flags: 0,
+            id,
+            method: 7,
+            aux: 0,
+        },
+        body: Bytes::copy_from_slice(body),
+        attachments: atts
+            .iter()
+            .enumerate()
+            .map(|(i, n)| Payload::from(vec![i as u8 + 1; *n]))
+            .collect(),
+    }
+}
+
+fn parse(b: BytesMut) -> Result<(Packet, u16), ProtocolViolation> {
+    Packet::parse(b.freeze(), &limits())
+}
+
+#[test]
+fn eager_round_trip() {
+    let m = msg(1, b"hello", &[3, 0]);
+    let mut b = BytesMut::new();
+    Packet::encode_eager(&mut b, 5, &m);
+    assert_eq!(parse(b).unwrap(), (Packet::Eager(m), 5));
+}
+
+#[test]
+fn pull_rts_round_trip_and_mismatches() {
+    let m = msg(2, b"body", &[100, 200]);
+    let segs = [
+        Segment {
+            addr: 0x1000,
+            len: 100,
+            rkey: 9,
+        },
+        Segment {
+            addr: 0x2000,
+            len: 200,
+            rkey: 9,
+        },
+    ];
+    let mut b = BytesMut::new();
+    Packet::encode_pull_rts(&mut b, 1, 42, &m, &segs);
+    let (p, credits) = parse(b).unwrap();
+    assert_eq!(credits, 1);
+    match p {
+        Packet::PullRts { id, head, segments } => {
+            assert_eq!(id, 42);
+            assert_eq!(segments, segs);
+            assert_eq!(head.lens, vec![100, 200]);
+            assert_eq!(&head.body[..], b"body");
+            assert_eq!(head.wire.header, m.header);
+        }
+        other => panic!("{other:?}"),
+    }
+    // A segment whose length disagrees with the table.
+    let mut bad = segs;
+    bad[1].len = 201;
+    let mut b = BytesMut::new();
+    Packet::encode_pull_rts(&mut b, 0, 42, &m, &bad);
+    assert!(matches!(
+        parse(b),
+        Err(ProtocolViolation::Mismatch { id: 42, .. })
+    ));
+    // One segment fewer than attachments: the count field says 1, the table says 2.
+    let mut b = BytesMut::new();
+    Packet::encode_pull_rts(&mut b, 0, 43, &m, &segs);
+    b[4] = 1;
+    assert!(parse(b).is_err());
+}
+
+#[test]
+fn push_round_trip() {
+    let m = msg(3, b"", &[5000]);
+    let mut b = BytesMut::new();
+    Packet::encode_push_rts(&mut b, 0, 7, &m);
+    let (p, _) = parse(b).unwrap();
+    let Packet::PushRts { id: 7, head } = p else {
+        panic!("{p:?}")
+    };
+    assert_eq!(head.lens, vec![5000]);
+    let segs = [Segment {
+        addr: 1,
+        len: 5000,
+        rkey: 3,
+    }];
+    let mut b = BytesMut::new();
+    Packet::encode_cts(&mut b, 2, 7, &segs);
+    assert_eq!(
+        parse(b).unwrap(),
+        (
+            Packet::Cts {
+                id: 7,
+                segments: segs.to_vec()
+            },
+            2
+        )
+    );
+    for p in [
+        Packet::Fin { id: 9 },
+        Packet::PushDone { id: 9 },
+        Packet::Credit,
+        Packet::Refuse {
+            id: 9,
+            reason: refuse::TOO_LARGE,
+        },
+    ] {
+        let mut b = BytesMut::new();
+        Packet::encode_control(&mut b, 3, &p);
+        assert_eq!(parse(b).unwrap(), (p, 3));
+    }
+}
+
+#[test]
+fn refuses_malformed_packets() {
+    assert!(matches!(
+        parse(BytesMut::from(&[1u8, 0, 0][..])),
+        Err(ProtocolViolation::Truncated { .. })
+    ));
+    let mut b = BytesMut::new();
+    Packet::encode_control(&mut b, 0, &Packet::Credit);
+    b[0] = 99;
+    assert_eq!(parse(b), Err(ProtocolViolation::UnknownType(99)));
+    // Eager whose frame claims more than the slot holds.
+    let mut b = BytesMut::new();
+    Packet::encode_eager(&mut b, 0, &msg(1, b"abc", &[]));
+    b.truncate(b.len() - 1);
+    assert!(parse(b).is_err());
+    // Segment count beyond the limit: refused before reading segments.
+    let mut b = BytesMut::new();
+    Packet::encode_cts(&mut b, 0, 1, &[]);
+    b[4..8].copy_from_slice(&u32::MAX.to_le_bytes());
+    assert!(matches!(
+        parse(b),
+        Err(ProtocolViolation::Frame(
+            FrameError::TooManyAttachments { .. }
+        ))
+    ));
+    // Inline frame whose length field disagrees with its table and body.
+    let mut b = BytesMut::new();
+    Packet::encode_push_rts(&mut b, 0, 1, &msg(1, b"xy", &[10]));
+    let len_at = PACKET_HEADER_LEN + 8 + 24;
+    b[len_at..len_at + 8].copy_from_slice(&9u64.to_le_bytes());
+    assert!(matches!(parse(b), Err(ProtocolViolation::Mismatch { .. })));
+}
+
+#[test]
+fn plan_picks_eager_then_rendezvous_and_refuses_fat_inline() {
+    let small = msg(1, b"x", &[10]);
+    assert_eq!(
+        Plan::for_message(&small, 4096, 4096, Direction::Pull),
+        Ok(Plan::Eager)
+    );
+    let big = msg(1, b"x", &[10_000]);
+    assert_eq!(
+        Plan::for_message(&big, 4096, 4096, Direction::Push),
+        Ok(Plan::Rendezvous(Direction::Push))
+    );
+    // The threshold wins over the slot size when smaller.
+    assert_eq!(
+        Plan::for_message(&msg(1, b"x", &[1000]), 4096, 512, Direction::Pull),
+        Ok(Plan::Rendezvous(Direction::Pull))
+    );
+    let fat_body = msg(1, &[0u8; 5000], &[]);
+    assert!(Plan::for_message(&fat_body, 4096, 4096, Direction::Pull).is_err());
+}
+
+#[test]
+fn credits_never_overrun_and_always_return() {
+    let mut a = Credits::new(4);
+    let mut sent = 0;
+    while a.can_send() {
+        a.take().unwrap();
+        sent += 1;
+    }
+    assert_eq!(sent, 3, "one credit is kept for credit returns");
+    assert!(
+        a.take().is_some(),
+        "the reserved credit serves a credit return"
+    );
+    assert!(a.take().is_none());
+    // Returning more than the window is a violation.
+    assert_eq!(a.on_receive(5), Err(ProtocolViolation::NoCredit));
+    a.on_receive(4).unwrap();
+    assert_eq!(a.available(), 4);
+    for _ in 0..2 {
+        a.on_slot_reposted();
+    }
+    assert!(a.should_return());
+    assert_eq!(a.take(), Some(2));
+    assert_eq!(a.owed(), 0);
+}
+
+#[test]
+fn transfers_refuse_stale_and_forged_ids() {
+    let mut t: Transfers<u32> = Transfers::new();
+    let id = t.start_pull(vec![1, 2]);
+    assert_eq!(
+        t.on_fin(id + 1),
+        Err(ProtocolViolation::UnknownTransfer(id + 1))
+    );
+    assert_eq!(t.on_fin(id), Ok(vec![1, 2]));
+    assert_eq!(
+        t.on_fin(id),
+        Err(ProtocolViolation::UnknownTransfer(id)),
+        "a replayed Fin"
+    );
+    let push = t.start_push(vec![3]);
+    let seg = [Segment {
+        addr: 0,
+        len: 10,
+        rkey: 1,
+    }];
+    assert!(matches!(
+        t.on_cts(push, &seg, [11u64].into_iter()),
+        Err(ProtocolViolation::Mismatch { .. })
+    ));
+    assert_eq!(t.on_cts(push, &seg, [10u64].into_iter()), Ok(vec![3]));
+    let head = Inline {
+        wire: WireHeader {
+            header: Header::new(Kind::Request, 1),
+            n_attach: 1,
+            len: 18,
+        },
+        body: Bytes::new(),
+        lens: vec![10],
+    };
+    t.begin_incoming(
+        5,
+        Incoming::Pulling {
+            head: head.clone(),
+            bufs: vec![7, 8],
+            pending: 2,
+        },
+    )
+    .unwrap();
+    assert_eq!(
+        t.begin_incoming(
+            5,
+            Incoming::Granted {
+                head: head.clone(),
+                bufs: vec![9]
+            }
+        ),
+        Err(ProtocolViolation::DuplicateTransfer(5))
+    );
+    assert_eq!(
+        t.on_push_done(5),
+        Err(ProtocolViolation::UnknownTransfer(5)),
+        "wrong kind"
+    );
+    assert_eq!(t.on_read_done(5).unwrap(), None);
+    let (_, bufs) = t.on_read_done(5).unwrap().unwrap();
+    assert_eq!(bufs, vec![7, 8]);
+    assert!(t.on_read_done(5).is_err());
+    t.start_pull(vec![10]);
+    t.begin_incoming(
+        6,
+        Incoming::Granted {
+            head,
+            bufs: vec![11],
+        },
+    )
+    .unwrap();
+    let mut all = t.drain();
+    all.sort();
+    assert_eq!(all, vec![10, 11]);
+    assert!(t.is_empty());
+}
+
+/// A simulated pair of endpoints over an in-process FAKE of the verbs layer (a map from rkey
+/// to memory, and queues for SENDs). It exercises the protocol logic only; the real verbs path
+/// is tested on rxe and siw in the guest.
+mod fake_nic {
+    use super::*;
+
+    /// A registered buffer in fake memory.
+    #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+    pub(super) struct Buf(u32);
+
+    #[derive(Default)]
+    pub(super) struct Nic {
+        memory: HashMap<u32, Vec<u8>>,
+        next_key: u32,
+        pub(super) live: usize,
+    }
+
+    impl Nic {
+        pub(super) fn alloc(&mut self, data: Vec<u8>) -> Buf {
+            self.next_key += 1;
+            self.memory.insert(self.next_key, data);
+            self.live += 1;
+            Buf(self.next_key)
+        }
+        pub(super) fn free(&mut self, b: Buf) {
+            assert!(self.memory.remove(&b.0).is_some(), "double free of {b:?}");
+            self.live -= 1;
+        }
+        pub(super) fn segment(&self, b: Buf) -> Segment {
+            Segment {
+                addr: 0,
+                len: self.memory[&b.0].len() as u64,
+                rkey: b.0,
+            }
+        }
+        /// RDMA READ or WRITE: the key must name a live buffer of the right length.
+        pub(super) fn copy(&mut self, from: u32, to: u32) -> Result<(), &'static str> {
+            let data = self.memory.get(&from).ok_or("bad source key")?.clone();
+            let dst = self.memory.get_mut(&to).ok_or("bad destination key")?;
+            if dst.len() != data.len() {
+                return Err("length mismatch");
+            }
+            dst.copy_from_slice(&data);
+            Ok(())
+        }
+        pub(super) fn take(&mut self, b: Buf) -> Vec<u8> {
+            self.live -= 1;
+            self.memory.remove(&b.0).expect("live buffer")
+        }
+    }
+
+    pub(super) struct Side {
+        pub(super) credits: Credits,
+        pub(super) transfers: Transfers<Buf>,
+        pub(super) delivered: Vec<Message>,
+    }
+
+    impl Side {
+        pub(super) fn new() -> Side {
+            Side {
+                credits: Credits::new(8),
+                transfers: Transfers::new(),
+                delivered: Vec::new(),
+            }
+        }
+    }
+
+    /// Sends `m` from `me` towards the queue `wire` by `dir`.
+    pub(super) fn send(
+        nic: &mut Nic,
+        me: &mut Side,
+        wire: &mut VecDeque<Bytes>,
+        m: &Message,
+        dir: Direction,
+    ) {
+        let mut out = BytesMut::new();
+        let credits = me.credits.take().expect("credit");
+        match Plan::for_message(m, 512, 512, dir).unwrap() {
+            Plan::Eager => Packet::encode_eager(&mut out, credits, m),
+            Plan::Rendezvous(Direction::Pull) => {
+                let bufs: Vec<Buf> = m
+                    .attachments
+                    .iter()
+                    .map(|a| nic.alloc(a.to_vec()))
+                    .collect();
+                let segs: Vec<Segment> = bufs.iter().map(|b| nic.segment(*b)).collect();
+                let id = me.transfers.start_pull(bufs);
+                Packet::encode_pull_rts(&mut out, credits, id, m, &segs);
+            }
+            Plan::Rendezvous(Direction::Push) => {
+                let bufs: Vec<Buf> = m
+                    .attachments
+                    .iter()
+                    .map(|a| nic.alloc(a.to_vec()))
+                    .collect();
+                let id = me.transfers.start_push(bufs);
+                Packet::encode_push_rts(&mut out, credits, id, m);
+            }
+        }
+        wire.push_back(out.freeze());
+    }
+
+    /// Handles one packet arriving at `me`; replies go to `back`.
+    pub(super) fn receive(
+        nic: &mut Nic,
+        me: &mut Side,
+        back: &mut VecDeque<Bytes>,
+        slot: Bytes,
+    ) -> Result<(), ProtocolViolation> {
+        let (packet, credits) = Packet::parse(slot, &limits())?;
+        me.credits.on_receive(credits)?;
+        me.credits.on_slot_reposted();
+        let mut reply = |me: &mut Side, p: Packet| {
+            let mut out = BytesMut::new();
+            let c = me.credits.take().expect("credit");
+            match &p {
+                Packet::Cts { id, segments } => Packet::encode_cts(&mut out, c, *id, segments),
+                _ => Packet::encode_control(&mut out, c, &p),
+            }
+            back.push_back(out.freeze());
+        };
+        match packet {
+            Packet::Eager(m) => me.delivered.push(m),
+            Packet::PullRts { id, head, segments } => {
+                let bufs: Vec<Buf> = head
+                    .lens
+                    .iter()
+                    .map(|l| nic.alloc(vec![0; *l as usize]))
+                    .collect();
+                let n = bufs.len();
+                for (s, b) in segments.iter().zip(&bufs) {
+                    nic.copy(s.rkey, b.0)
+                        .map_err(|_| ProtocolViolation::UnknownTransfer(id))?;
+                }
+                me.transfers.begin_incoming(
+                    id,
+                    Incoming::Pulling {
+                        head,
+                        bufs,
+                        pending: n,
+                    },
+                )?;
+                let mut done = None;
+                for _ in 0..n {
+                    done = me.transfers.on_read_done(id)?;
+                }
+                let (head, bufs) = done.expect("all reads done");
+                let atts = bufs
+                    .into_iter()
+                    .map(|b| Payload::from(nic.take(b)))
+                    .collect();
+                me.delivered.push(head.into_message(atts));
+                reply(me, Packet::Fin { id });
+            }
+            Packet::PushRts { id, head } => {
+                let bufs: Vec<Buf> = head
+                    .lens
+                    .iter()
+                    .map(|l| nic.alloc(vec![0; *l as usize]))
+                    .collect();
+                let segments = bufs.iter().map(|b| nic.segment(*b)).collect();
+                me.transfers
+                    .begin_incoming(id, Incoming::Granted { head, bufs })?;
+                reply(me, Packet::Cts { id, segments });
+            }
+            Packet::Cts { id, segments } => {
+                // Lengths we announced: the fake NIC knows them from our buffers.
+                let lens: Vec<u64> = me.transfers_lens(id, nic);
+                let bufs = me.transfers.on_cts(id, &segments, lens.into_iter())?;
+                for (b, s) in bufs.iter().zip(&segments) {
+                    nic.copy(b.0, s.rkey)
+                        .map_err(|_| ProtocolViolation::UnknownTransfer(id))?;
+                }
+                for b in bufs {
+                    nic.free(b);
+                }
+                reply(me, Packet::PushDone { id });
+            }
+            Packet::PushDone { id } => {
+                let (head, bufs) = me.transfers.on_push_done(id)?;
+                let atts = bufs
+                    .into_iter()
+                    .map(|b| Payload::from(nic.take(b)))
+                    .collect();
+                me.delivered.push(head.into_message(atts));
+            }
+            Packet::Fin { id } => {
+                for b in me.transfers.on_fin(id)? {
+                    nic.free(b);
+                }
+            }
+            Packet::Credit => {}
+            Packet::Refuse { id, reason } => return Err(ProtocolViolation::Refused { id, reason }),
+        }
+        Ok(())
+    }
+
+    impl Side {
+        fn transfers_lens(&self, id: u64, nic: &Nic) -> Vec<u64> {
+            self.transfers
+                .announced
+                .get(&id)
+                .map(|bufs| bufs.iter().map(|b| nic.memory[&b.0].len() as u64).collect())
+                .unwrap_or_default()
+        }
+    }
+}
+
+use fake_nic::{receive, send, Nic, Side};
+
+/// Messages in request-id order: a rendezvous message is delivered when its bulk data has
+/// arrived, so eager messages sent after it may overtake it (the rpc layer matches by id).
+fn by_id(mut v: Vec<Message>) -> Vec<Message> {
+    v.sort_by_key(|m| m.header.id);
+    v
+}
+
+fn run_pair(messages: Vec<(Message, Direction)>) -> (Nic, Side, Side) {
+    let mut nic = Nic::default();
+    let (mut a, mut b) = (Side::new(), Side::new());
+    let (mut a_to_b, mut b_to_a) = (VecDeque::new(), VecDeque::new());
+    let mut queue: VecDeque<_> = messages.into();
+    loop {
+        let mut progressed = false;
+        if a.credits.can_send() {
+            if let Some((m, dir)) = queue.pop_front() {
+                send(&mut nic, &mut a, &mut a_to_b, &m, dir);
+                progressed = true;
+            }
+        }
+        if let Some(slot) = a_to_b.pop_front() {
+            receive(&mut nic, &mut b, &mut b_to_a, slot).unwrap();
+            progressed = true;
+        }
+        if let Some(slot) = b_to_a.pop_front() {
+            receive(&mut nic, &mut a, &mut a_to_b, slot).unwrap();
+            progressed = true;
+        }
+        for (me, out) in [(&mut a, &mut a_to_b), (&mut b, &mut b_to_a)] {
+            if me.credits.should_return() && out.is_empty() {
+                let mut buf = BytesMut::new();
+                let c = me.credits.take().unwrap();
+                Packet::encode_control(&mut buf, c, &Packet::Credit);
+                out.push_back(buf.freeze());
+                progressed = true;
+            }
+        }
+        if !progressed {
+            break;
+        }
+    }
+    assert!(
+        queue.is_empty(),
+        "stalled with {} messages unsent (credit deadlock?)",
+        queue.len()
+    );
+    (nic, a, b)
+}
+
+#[test]
+fn pair_moves_messages_both_ways_and_frees_every_buffer() {
+    let mut sent = Vec::new();
+    for i in 0..40u64 {
+        let dir = if i % 2 == 0 {
+            Direction::Pull
+        } else {
+            Direction::Push
+        };
+        let atts: &[usize] = match i % 4 {
+            0 => &[],
+            1 => &[10],
+            2 => &[1000, 3],
+            _ => &[5000],
+        };
+        sent.push((msg(i, b"b", atts), dir));
+    }
+    let expected: Vec<Message> = sent.iter().map(|(m, _)| m.clone()).collect();
+    let (nic, a, b) = run_pair(sent);
+    assert_eq!(by_id(b.delivered), expected);
+    assert!(a.transfers.is_empty() && b.transfers.is_empty());
+    assert_eq!(nic.live, 0, "buffers leaked");
+}
+
+#[test]
+fn forged_fin_and_cts_are_violations_on_that_connection() {
+    let mut nic = Nic::default();
+    let mut a = Side::new();
+    let mut back = VecDeque::new();
+    let mut out = BytesMut::new();
+    Packet::encode_control(&mut out, 0, &Packet::Fin { id: 12345 });
+    assert_eq!(
+        receive(&mut nic, &mut a, &mut back, out.freeze()),
+        Err(ProtocolViolation::UnknownTransfer(12345))
+    );
+    // A pull announcement naming a key that grants nothing: the read fails, no delivery.
+    let mut b = Side::new();
+    let mut out = BytesMut::new();
+    let m = msg(1, b"", &[600]);
+    Packet::encode_pull_rts(
+        &mut out,
+        0,
+        1,
+        &m,
+        &[Segment {
+            addr: 0,
+            len: 600,
+            rkey: 999,
+        }],
+    );
+    assert!(receive(&mut nic, &mut b, &mut back, out.freeze()).is_err());
+    assert!(b.delivered.is_empty());
+}
+
+mod props {
+    use super::*;
+    use proptest::prelude::*;
+
+    proptest! {
+        #![proptest_config(ProptestConfig { cases: 64, ..ProptestConfig::default() })]
+        #[test]
+        fn any_sequence_is_delivered_whole_without_leaks(
+            spec in proptest::collection::vec(
+                (proptest::collection::vec(0usize..3000, 0..4), any::<bool>()), 0..60)
+        ) {
+            let sent: Vec<(Message, Direction)> = spec.iter().enumerate().map(|(i, (atts, pull))| {
+                (msg(i as u64, b"z", atts), if *pull { Direction::Pull } else { Direction::Push })
+            }).collect();
+            let expected: Vec<Message> = sent.iter().map(|(m, _)| m.clone()).collect();
+            let (nic, _a, b) = run_pair(sent);
+            prop_assert_eq!(by_id(b.delivered), expected);
+            prop_assert_eq!(nic.live, 0);
+        }
+
+        #[test]
+        fn arbitrary_slots_never_panic(bytes in proptest::collection::vec(any::<u8>(), 0..400)) {
+            let _ = Packet::parse(Bytes::from(bytes), &limits());
+        }
+    }
+}
