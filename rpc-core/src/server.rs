@@ -11,7 +11,10 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use bytes::Bytes;
-use futures::{FutureExt, StreamExt};
+use std::pin::Pin;
+use std::task::{Context, Poll, Waker};
+
+use futures::{FutureExt, Sink, SinkExt, StreamExt};
 use serde::de::DeserializeOwned;
 use serde::Serialize;
 use tokio::sync::{mpsc, OwnedSemaphorePermit, Semaphore};
@@ -22,7 +25,7 @@ use tokio_util::task::TaskTracker;
 use tracing::Instrument;
 
 use crate::codec::Codec;
-use crate::conn::{encode_body, write_loop, KeepAlive, Outbox, Tick};
+use crate::conn::{encode_body, KeepAlive, Outbox, Tick};
 use crate::payload::with_attachments;
 use crate::transport::{Listener, Transport};
 use crate::wire::{FrameError, Header, Kind, Message};
@@ -190,6 +193,167 @@ fn is_resource_exhaustion(e: &io::Error) -> bool {
 }
 
 type Calls = Arc<Mutex<HashMap<u64, AbortHandle>>>;
+type HandlerFuture = Pin<Box<dyn Future<Output = Result<Reply, ServerError>> + Send>>;
+type Outcome = Result<Result<Reply, ServerError>, Box<dyn Any + Send>>;
+
+/// What to do after a frame.
+#[derive(PartialEq, Eq)]
+enum Flow {
+    Continue,
+    Close,
+}
+
+/// One connection's state, driven by a single task that reads, runs handlers that finish on
+/// their first poll inline, and writes everything it produced with one flush. Handlers that
+/// have to wait get their own task and send their answer through `outbox`.
+struct Conn<S, W> {
+    service: Arc<S>,
+    ctx: Ctx,
+    writer: W,
+    outbox: Outbox,
+    calls: Calls,
+    handlers: TaskTracker,
+    draining: bool,
+}
+
+impl<S: Service, W: Sink<Message, Error = io::Error> + Unpin> Conn<S, W> {
+    async fn send(&mut self, msg: Message) -> io::Result<()> {
+        self.writer.feed(msg).await
+    }
+
+    async fn refuse(&mut self, id: u64, kind: ServerErrorKind, message: &str) -> io::Result<()> {
+        self.send(error_message(id, kind, message)).await
+    }
+
+    /// Starts draining if shutdown was triggered (idempotent): no new calls on this
+    /// connection, the client is told with a go-away frame.
+    async fn check_shutdown(&mut self) -> io::Result<()> {
+        if !self.draining && self.ctx.shutdown.is_cancelled() {
+            self.draining = true;
+            self.handlers.close();
+            self.send(Message::control(Kind::GoAway, 0)).await?;
+        }
+        Ok(())
+    }
+
+    async fn on_frame(&mut self, msg: Message) -> io::Result<Flow> {
+        let id = msg.header.id;
+        match msg.header.kind {
+            Kind::Request => return self.on_request(msg).await,
+            Kind::Cancel => {
+                if let Some(h) = self.calls.lock().expect("calls lock").remove(&id) {
+                    tracing::debug!(id, "call cancelled by the client");
+                    h.abort();
+                }
+            }
+            Kind::Ping => self.send(Message::control(Kind::Pong, id)).await?,
+            Kind::Pong => {}
+            Kind::Response | Kind::GoAway => {
+                tracing::warn!(kind = %msg.header.kind, "client sent a server-only frame; closing");
+                return Ok(Flow::Close);
+            }
+        }
+        Ok(Flow::Continue)
+    }
+
+    async fn on_request(&mut self, msg: Message) -> io::Result<Flow> {
+        let id = msg.header.id;
+        let method = msg.header.method;
+        // Shutdown may have started while this task was busy with earlier frames.
+        self.check_shutdown().await?;
+        if self.draining {
+            self.refuse(
+                id,
+                ServerErrorKind::ShuttingDown,
+                "the server is shutting down",
+            )
+            .await?;
+            return Ok(Flow::Continue);
+        }
+        let Some(name) = self.service.method_name(method) else {
+            tracing::warn!(
+                id,
+                method = format_args!("{method:#010x}"),
+                "unknown method"
+            );
+            let text = format!("{} serves no method with id {method:#010x}", S::NAME);
+            self.refuse(id, ServerErrorKind::UnknownMethod, &text)
+                .await?;
+            return Ok(Flow::Continue);
+        };
+        if self.calls.lock().expect("calls lock").contains_key(&id) {
+            tracing::warn!(id, "duplicate request id from client");
+            let text = "a call with this request id is already running";
+            self.refuse(id, ServerErrorKind::BadRequest, text).await?;
+            return Ok(Flow::Continue);
+        }
+        // Over the concurrency limit this waits, and the connection is not read meanwhile.
+        let Ok(slot) = self.ctx.handler_slots.clone().acquire_owned().await else {
+            return Ok(Flow::Close);
+        };
+        let deadline = match msg.header.aux {
+            0 => None,
+            us => Some(Instant::now() + Duration::from_micros(us as u64)),
+        };
+        let request = Request::new(msg.body, msg.attachments);
+        let service = self.service.clone();
+        let mut work: HandlerFuture =
+            Box::pin(async move { service.dispatch(method, request).await });
+        // First poll here: a handler that needs no I/O answers without a task or a wake-up.
+        let first = {
+            let mut cx = Context::from_waker(Waker::noop());
+            std::panic::catch_unwind(AssertUnwindSafe(|| work.as_mut().poll(&mut cx)))
+        };
+        let outcome: Outcome = match first {
+            Ok(Poll::Ready(r)) => Ok(r),
+            Err(panic) => Err(panic),
+            Ok(Poll::Pending) => {
+                self.spawn_call(work, name, deadline, id, slot);
+                return Ok(Flow::Continue);
+            }
+        };
+        drop(slot);
+        self.send(reply_message(id, name, outcome)).await?;
+        Ok(Flow::Continue)
+    }
+
+    fn spawn_call(
+        &mut self,
+        work: HandlerFuture,
+        name: &'static str,
+        deadline: Option<Instant>,
+        id: u64,
+        slot: OwnedSemaphorePermit,
+    ) {
+        let task = run_call(
+            work,
+            name,
+            deadline,
+            id,
+            self.calls.clone(),
+            self.outbox.clone(),
+            slot,
+            self.ctx.stats.clone(),
+        );
+        // The task removes itself from `calls` under this lock, so it cannot finish before
+        // its abort handle is in the table.
+        let mut table = self.calls.lock().expect("calls lock");
+        let span = tracing::debug_span!("handler", method = name, id);
+        let handle = self.handlers.spawn(task.instrument(span));
+        table.insert(id, handle.abort_handle());
+    }
+
+    async fn flush(&mut self) -> io::Result<()> {
+        let limit = self.ctx.config.keepalive_timeout;
+        match tokio::time::timeout(limit, self.writer.flush()).await {
+            Ok(r) => r,
+            Err(_) => Err(io::Error::new(
+                io::ErrorKind::TimedOut,
+                "the client has not read its answers for the keep-alive timeout",
+            )),
+        }
+    }
+}
 
 /// Serves one connection until the peer goes away or the server has drained.
 async fn serve_connection<T: Transport, S: Service>(transport: T, service: Arc<S>, ctx: Ctx) {
@@ -197,78 +361,92 @@ async fn serve_connection<T: Transport, S: Service>(transport: T, service: Arc<S
     ctx.stats.connections.fetch_add(1, Relaxed);
     tracing::debug!("connection open");
     let (mut reader, writer) = transport.split();
-    let (outbox, rx) = mpsc::unbounded_channel();
-    let closed = CancellationToken::new();
-    let writer_task = tokio::spawn(write_loop(writer, rx, closed.clone()).in_current_span());
-    let calls: Calls = Arc::new(Mutex::new(HashMap::new()));
-    let handlers = TaskTracker::new();
+    let (outbox, mut answers) = mpsc::unbounded_channel();
     let mut keepalive = KeepAlive::new(ctx.config.keepalive_interval, ctx.config.keepalive_timeout);
-    let mut draining = false;
-    loop {
-        tokio::select! {
-            biased;
-            _ = closed.cancelled() => break,
-            _ = ctx.shutdown.cancelled(), if !draining => {
-                draining = true;
-                handlers.close();
-                let _ = outbox.send(Message::control(Kind::GoAway, 0));
-            }
-            _ = handlers.wait(), if draining => {
-                tracing::debug!("drained");
-                break;
-            }
-            next = reader.next() => match next {
-                Some(Ok(msg)) => {
-                    keepalive.saw_frame();
-                    match msg.header.kind {
-                        Kind::Request => {
-                            if draining {
-                                refuse(&outbox, msg.header.id, ServerErrorKind::ShuttingDown, "the server is shutting down");
-                                continue;
+    let mut conn = Conn {
+        service,
+        ctx,
+        writer,
+        outbox,
+        calls: Arc::default(),
+        handlers: TaskTracker::new(),
+        draining: false,
+    };
+    let result: io::Result<()> = async {
+        loop {
+            let flow = tokio::select! {
+                biased;
+                _ = conn.ctx.shutdown.cancelled(), if !conn.draining => {
+                    conn.check_shutdown().await?;
+                    Flow::Continue
+                }
+                _ = conn.handlers.wait(), if conn.draining => {
+                    // Every handler has queued its answer before its task ended.
+                    while let Ok(answer) = answers.try_recv() {
+                        conn.send(answer).await?;
+                    }
+                    tracing::debug!("drained");
+                    Flow::Close
+                }
+                Some(answer) = answers.recv() => {
+                    conn.send(answer).await?;
+                    while let Ok(answer) = answers.try_recv() {
+                        conn.send(answer).await?;
+                    }
+                    Flow::Continue
+                }
+                next = reader.next() => {
+                    let mut next = Some(next);
+                    let mut flow = Flow::Continue;
+                    // Take every frame already received before flushing once.
+                    while let Some(frame) = next.take() {
+                        flow = match frame {
+                            Some(Ok(msg)) => {
+                                keepalive.saw_frame();
+                                conn.on_frame(msg).await?
                             }
-                            let Some(slot) = take_slot(&ctx, &closed).await else { break };
-                            start_call(msg, slot, &service, &calls, &handlers, &outbox, &ctx);
-                        }
-                        Kind::Cancel => {
-                            if let Some(h) = calls.lock().expect("calls lock").remove(&msg.header.id) {
-                                tracing::debug!(id = msg.header.id, "call cancelled by the client");
-                                h.abort();
+                            Some(Err(e)) => {
+                                if let Some(FrameError::TooLarge { kind: Kind::Request, id, len, limit }) = FrameError::from_io(&e) {
+                                    let text = format!("request of {len} bytes exceeds the server's limit of {limit} bytes");
+                                    conn.refuse(*id, ServerErrorKind::TooLarge, &text).await?;
+                                }
+                                tracing::warn!(error = %e, "unreadable frame; closing the connection");
+                                Flow::Close
                             }
-                        }
-                        Kind::Ping => {
-                            let _ = outbox.send(Message::control(Kind::Pong, msg.header.id));
-                        }
-                        Kind::Pong => {}
-                        Kind::Response | Kind::GoAway => {
-                            tracing::warn!(kind = %msg.header.kind, "client sent a server-only frame; closing");
+                            None => Flow::Close,
+                        };
+                        if flow == Flow::Close {
                             break;
                         }
+                        next = reader.next().now_or_never();
                     }
+                    flow
                 }
-                Some(Err(e)) => {
-                    if let Some(FrameError::TooLarge { kind: Kind::Request, id, len, limit }) = FrameError::from_io(&e) {
-                        refuse(&outbox, *id, ServerErrorKind::TooLarge,
-                            &format!("request of {len} bytes exceeds the server's limit of {limit} bytes"));
+                tick = keepalive.tick() => match tick {
+                    Tick::Alive => Flow::Continue,
+                    Tick::Ping => {
+                        conn.send(Message::control(Kind::Ping, 0)).await?;
+                        Flow::Continue
                     }
-                    tracing::warn!(error = %e, "unreadable frame; closing the connection");
-                    break;
-                }
-                None => break,
-            },
-            tick = keepalive.tick() => match tick {
-                Tick::Alive => {}
-                Tick::Ping => {
-                    let _ = outbox.send(Message::control(Kind::Ping, 0));
-                }
-                Tick::Dead(silent) => {
-                    tracing::warn!(?silent, "client stopped answering keep-alives; closing");
-                    break;
-                }
-            },
+                    Tick::Dead(silent) => {
+                        tracing::warn!(?silent, "client stopped answering keep-alives; closing");
+                        Flow::Close
+                    }
+                },
+            };
+            conn.flush().await?;
+            if flow == Flow::Close {
+                return Ok(());
+            }
         }
     }
+    .await;
+    if let Err(e) = result {
+        tracing::debug!(error = %e, "connection failed");
+    }
     // The peer is gone or we are done: stop whatever still runs for it.
-    let left: Vec<AbortHandle> = calls
+    let left: Vec<AbortHandle> = conn
+        .calls
         .lock()
         .expect("calls lock")
         .drain()
@@ -280,27 +458,12 @@ async fn serve_connection<T: Transport, S: Service>(transport: T, service: Arc<S
     for h in left {
         h.abort();
     }
-    handlers.close();
-    handlers.wait().await;
-    drop(outbox);
-    let _ = writer_task.await;
-    ctx.stats.connections.fetch_sub(1, Relaxed);
+    conn.handlers.close();
+    conn.handlers.wait().await;
+    let limit = conn.ctx.config.keepalive_timeout;
+    let _ = tokio::time::timeout(limit, conn.writer.close()).await;
+    conn.ctx.stats.connections.fetch_sub(1, Relaxed);
     tracing::debug!("connection closed");
-}
-
-async fn take_slot(ctx: &Ctx, closed: &CancellationToken) -> Option<OwnedSemaphorePermit> {
-    if let Ok(p) = ctx.handler_slots.clone().try_acquire_owned() {
-        return Some(p);
-    }
-    // Over the concurrency limit: stop reading this connection until a handler finishes.
-    tokio::select! {
-        p = ctx.handler_slots.clone().acquire_owned() => p.ok(),
-        _ = closed.cancelled() => None,
-    }
-}
-
-fn refuse(outbox: &Outbox, id: u64, kind: ServerErrorKind, message: &str) {
-    let _ = outbox.send(error_message(id, kind, message));
 }
 
 fn error_message(id: u64, kind: ServerErrorKind, message: &str) -> Message {
@@ -317,73 +480,39 @@ fn error_message(id: u64, kind: ServerErrorKind, message: &str) -> Message {
     }
 }
 
-fn start_call<S: Service>(
-    msg: Message,
-    slot: OwnedSemaphorePermit,
-    service: &Arc<S>,
-    calls: &Calls,
-    handlers: &TaskTracker,
-    outbox: &Outbox,
-    ctx: &Ctx,
-) {
-    let id = msg.header.id;
-    let method = msg.header.method;
-    let Some(name) = service.method_name(method) else {
-        tracing::warn!(
-            id,
-            method = format_args!("{method:#010x}"),
-            "unknown method"
-        );
-        refuse(
-            outbox,
-            id,
-            ServerErrorKind::UnknownMethod,
-            &format!("{} serves no method with id {method:#010x}", S::NAME),
-        );
-        return;
-    };
-    let deadline = match msg.header.aux {
-        0 => None,
-        us => Some(Instant::now() + Duration::from_micros(us as u64)),
-    };
-    let request = Request::new(msg.body, msg.attachments);
-    let mut table = calls.lock().expect("calls lock");
-    if table.contains_key(&id) {
-        drop(table);
-        tracing::warn!(id, "duplicate request id from client");
-        refuse(
-            outbox,
-            id,
-            ServerErrorKind::BadRequest,
-            "a call with this request id is already running",
-        );
-        return;
+/// The response frame for a handler's outcome.
+fn reply_message(id: u64, name: &'static str, outcome: Outcome) -> Message {
+    match outcome {
+        Ok(Ok(reply)) => Message {
+            header: Header {
+                kind: Kind::Response,
+                flags: 0,
+                id,
+                method: 0,
+                aux: 0,
+            },
+            body: reply.body,
+            attachments: reply.attachments,
+        },
+        Ok(Err(e)) => {
+            if e.kind == ServerErrorKind::BadRequest {
+                tracing::warn!(method = name, error = %e.message, "bad request");
+            }
+            error_message(id, e.kind, &e.message)
+        }
+        Err(panic) => {
+            let what = panic_message(&*panic);
+            tracing::error!(method = name, panic = %what, "handler panicked");
+            let text = format!("{name} panicked: {what}");
+            error_message(id, ServerErrorKind::Panicked, &text)
+        }
     }
-    let work = run_call(
-        service.clone(),
-        method,
-        name,
-        request,
-        deadline,
-        id,
-        calls.clone(),
-        outbox.clone(),
-        slot,
-        ctx.stats.clone(),
-    );
-    // The task removes itself from `calls` under this lock, so it cannot finish before its
-    // abort handle is in the table.
-    let handle =
-        handlers.spawn(work.instrument(tracing::debug_span!("handler", method = name, id)));
-    table.insert(id, handle.abort_handle());
 }
 
 #[allow(clippy::too_many_arguments)]
-async fn run_call<S: Service>(
-    service: Arc<S>,
-    method: u32,
+async fn run_call(
+    work: HandlerFuture,
     name: &'static str,
-    request: Request,
     deadline: Option<Instant>,
     id: u64,
     calls: Calls,
@@ -400,7 +529,7 @@ async fn run_call<S: Service>(
         }
     }
     let _count = Count(stats);
-    let work = AssertUnwindSafe(service.dispatch(method, request)).catch_unwind();
+    let work = AssertUnwindSafe(work).catch_unwind();
     let outcome = match deadline {
         None => work.await,
         Some(d) => match tokio::time::timeout_at(d, work).await {
@@ -414,37 +543,9 @@ async fn run_call<S: Service>(
             }
         },
     };
-    let reply = match outcome {
-        Ok(Ok(reply)) => Message {
-            header: Header {
-                kind: Kind::Response,
-                flags: 0,
-                id,
-                method: 0,
-                aux: 0,
-            },
-            body: reply.body,
-            attachments: reply.attachments,
-        },
-        Ok(Err(e)) => {
-            if e.kind == ServerErrorKind::BadRequest {
-                tracing::warn!(error = %e.message, "bad request");
-            }
-            error_message(id, e.kind, &e.message)
-        }
-        Err(panic) => {
-            let what = panic_message(&*panic);
-            tracing::error!(panic = %what, "handler panicked");
-            error_message(
-                id,
-                ServerErrorKind::Panicked,
-                &format!("{name} panicked: {what}"),
-            )
-        }
-    };
     // Still in the table means nobody cancelled the call: answer it.
     if calls.lock().expect("calls lock").remove(&id).is_some() {
-        let _ = outbox.send(reply);
+        let _ = outbox.send(reply_message(id, name, outcome));
     }
 }
 
