@@ -463,14 +463,12 @@ fn scheme(endpoint: &Endpoint) -> &'static str {
     endpoint.scheme().as_str()
 }
 
-/// Resolves when the server should stop.
-///
-/// The examples' tokio has no `signal` feature, so there is no Ctrl-C handler to wait on: this
-/// never resolves, and Ctrl-C's default action ends the process (the store is in memory, so
-/// nothing is lost). With tokio's `signal` feature, this would be
-/// `tokio::signal::ctrl_c().await` and the server would drain its calls before exiting.
+/// Resolves on Ctrl-C (SIGINT), after which the server drains its calls and exits.
 async fn stop_signal() {
-    std::future::pending::<()>().await;
+    if let Err(e) = tokio::signal::ctrl_c().await {
+        eprintln!("storage-demo: cannot listen for Ctrl-C ({e}); serving until killed");
+        std::future::pending::<()>().await;
+    }
 }
 
 // ---------------------------------------------------------------------------------------------
