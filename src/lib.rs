@@ -202,9 +202,9 @@ fn invalid_config(e: ConfigError) -> RpcError {
 
 fn connect_error(endpoint: &Endpoint, e: std::io::Error) -> RpcError {
     match e.kind() {
-        std::io::ErrorKind::ConnectionRefused => {
-            RpcError::Unavailable(format!("{endpoint}: connection refused (nothing listening?)"))
-        }
+        std::io::ErrorKind::ConnectionRefused => RpcError::Unavailable(format!(
+            "{endpoint}: connection refused (nothing listening?)"
+        )),
         _ => RpcError::Io(e),
     }
 }
@@ -227,7 +227,9 @@ pub struct Server {
 
 impl fmt::Debug for Server {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("Server").field("local", &self.local).finish()
+        f.debug_struct("Server")
+            .field("local", &self.local)
+            .finish()
     }
 }
 

@@ -296,7 +296,9 @@ async fn bad_input_does_not_grow_memory() {
         async move {
             for i in 0..n {
                 let mut s = raw(&ep).await;
-                s.write_all(&bad_inputs[i % bad_inputs.len()]).await.unwrap();
+                s.write_all(&bad_inputs[i % bad_inputs.len()])
+                    .await
+                    .unwrap();
                 s.shutdown().await.ok();
                 read_to_close(&mut s).await;
             }

@@ -190,9 +190,15 @@ pub async fn round_trip_sizes(bind: &Endpoint) {
     let srv = start(bind, Config::default()).await;
     let client = connect(&srv.endpoint).await;
     let t = Config::default().eager_threshold;
-    for (i, len) in [0, 1, t - 1, t, t + 1, 1 << 20, 64 << 20].into_iter().enumerate() {
+    for (i, len) in [0, 1, t - 1, t, t + 1, 1 << 20, 64 << 20]
+        .into_iter()
+        .enumerate()
+    {
         let data = pattern(len, i as u8);
-        let back = client.echo(Payload::from(data.clone())).await.expect("echo");
+        let back = client
+            .echo(Payload::from(data.clone()))
+            .await
+            .expect("echo");
         assert_eq!(back.len(), len, "length of a {len}-byte round trip");
         assert!(back == data, "bytes of a {len}-byte round trip differ");
     }
@@ -207,7 +213,10 @@ pub async fn frame_at_threshold(bind: &Endpoint) {
     // Header 32 + table 8 + body (index varint, 1 byte) = 41 bytes besides the payload.
     for len in [t - 42, t - 41, t - 40] {
         let data = pattern(len, 7);
-        let back = client.echo(Payload::from(data.clone())).await.expect("echo");
+        let back = client
+            .echo(Payload::from(data.clone()))
+            .await
+            .expect("echo");
         assert!(back == data, "frame around the threshold: {len}");
     }
     srv.shutdown.shutdown();
@@ -234,7 +243,10 @@ pub async fn many_concurrent_calls(bind: &Endpoint) {
 pub async fn deadline(bind: &Endpoint) {
     let srv = start(bind, Config::default()).await;
     let client = connect(&srv.endpoint).await;
-    let r = client.with_timeout(Duration::from_millis(200)).block(11).await;
+    let r = client
+        .with_timeout(Duration::from_millis(200))
+        .block(11)
+        .await;
     assert!(matches!(r, Err(RpcError::DeadlineExceeded)), "{r:?}");
     srv.probes.dropped(11).await;
     // The connection is still good.
@@ -355,7 +367,8 @@ pub async fn graceful_shutdown(bind: &Endpoint) {
     // whether the go-away frame or the call got there first).
     let e = client.add(1, 1).await.unwrap_err();
     assert!(
-        matches!(e, RpcError::Unavailable(_)) || e.server_kind() == Some(ServerErrorKind::ShuttingDown),
+        matches!(e, RpcError::Unavailable(_))
+            || e.server_kind() == Some(ServerErrorKind::ShuttingDown),
         "{e}"
     );
     assert!(e.to_string().contains("shutting down"), "{e}");
@@ -377,14 +390,21 @@ pub async fn size_limits(bind: &Endpoint) {
     let srv = start(bind, small.clone()).await;
     // Client-side limit: refused locally.
     let limited = connect_with(&srv.endpoint, small).await;
-    let e = limited.echo(Payload::from(vec![0u8; 2 << 20])).await.unwrap_err();
+    let e = limited
+        .echo(Payload::from(vec![0u8; 2 << 20]))
+        .await
+        .unwrap_err();
     assert!(matches!(e, RpcError::TooLarge { .. }), "{e}");
     assert_eq!(limited.add(1, 1).await.unwrap(), 2);
     // Server-side limit: the server answers TooLarge and closes that connection only.
     let big = connect(&srv.endpoint).await;
-    let e = big.echo(Payload::from(vec![0u8; 2 << 20])).await.unwrap_err();
+    let e = big
+        .echo(Payload::from(vec![0u8; 2 << 20]))
+        .await
+        .unwrap_err();
     assert!(
-        e.server_kind() == Some(ServerErrorKind::TooLarge) || matches!(e, RpcError::ConnectionClosed),
+        e.server_kind() == Some(ServerErrorKind::TooLarge)
+            || matches!(e, RpcError::ConnectionClosed),
         "{e}"
     );
     assert_eq!(limited.add(2, 2).await.unwrap(), 4);

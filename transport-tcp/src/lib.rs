@@ -133,7 +133,10 @@ impl TcpWriter {
             self.queued -= written;
             let mut left = written;
             while left > 0 {
-                let front = self.segments.front_mut().expect("written bytes were queued");
+                let front = self
+                    .segments
+                    .front_mut()
+                    .expect("written bytes were queued");
                 if front.len() <= left {
                     left -= front.len();
                     self.segments.pop_front();
