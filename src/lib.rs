@@ -67,7 +67,7 @@ use std::time::Duration;
 
 pub use rpc_core::{
     Codec, CodecError, Config, ConfigError, Endpoint, EndpointParseError, Payload, RpcError,
-    Scheme, ServerError, ServerErrorKind, ShutdownHandle,
+    Scheme, Secret, ServerError, ServerErrorKind, ShutdownHandle,
 };
 pub use rpc_macros::rdma_service;
 
@@ -128,7 +128,7 @@ impl Client {
                     let t = TcpTransport::connect(endpoint.authority(), config.clone())
                         .await
                         .map_err(|e| connect_error(endpoint, e))?;
-                    Ok(rpc_core::Client::new(t, config.clone()))
+                    rpc_core::Client::handshake(t, config.clone()).await
                 }
                 Scheme::Rdma => rdma::connect(endpoint, config.clone()).await,
                 _ => Err(RpcError::Unavailable(format!(

@@ -36,7 +36,34 @@ suite_tests!(
     server_flow_control,
     graceful_shutdown,
     size_limits,
+    auth_token,
 );
+
+/// Without the greeting, a raw peer's request never reaches a handler on a server that
+/// requires a token.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn unauthenticated_raw_request_runs_no_handler() {
+    let mut config = Config::default();
+    config.auth_token = Some(rdma_rpc::Secret::new("s3cret"));
+    let srv = suite::start(&ep(), config).await;
+    let mut s = raw(&srv.endpoint).await;
+    let block = rdma_rpc::__private::method_id("Probe.block");
+    s.write_all(&frame(Kind::Request, 1, block, &[1]))
+        .await
+        .unwrap();
+    let answer = read_to_close(&mut s).await;
+    let msgs = decode_all(&answer);
+    assert_eq!(msgs.len(), 1);
+    assert_eq!(
+        ServerErrorKind::from_code(msgs[0].header.aux),
+        ServerErrorKind::Unauthenticated
+    );
+    assert!(
+        srv.probes.started.lock().await.try_recv().is_err(),
+        "a handler ran"
+    );
+    srv.shutdown.shutdown();
+}
 
 async fn raw(ep: &Endpoint) -> TcpStream {
     TcpStream::connect(ep.authority()).await.unwrap()
@@ -80,6 +107,17 @@ mod tokio_util_codec_shim {
         let rest = bytes::Bytes::copy_from_slice(bytes.get(HEADER_LEN..end)?);
         Some((h.split(rest).ok()?, end))
     }
+}
+
+/// Plays the server's side of the greeting on a raw socket.
+async fn greet(s: &mut TcpStream) {
+    let mut head = [0u8; HEADER_LEN];
+    s.read_exact(&mut head).await.unwrap();
+    assert_eq!(head[3], Kind::Hello as u8);
+    let len = u64::from_le_bytes(head[24..32].try_into().unwrap()) as usize;
+    let mut token = vec![0u8; len];
+    s.read_exact(&mut token).await.unwrap();
+    s.write_all(&frame(Kind::Hello, 0, 0, &[])).await.unwrap();
 }
 
 fn frame(kind: Kind, id: u64, method: u32, body: &[u8]) -> Vec<u8> {
@@ -223,6 +261,7 @@ async fn dead_server_is_noticed_by_keepalive() {
     let addr = listener.local_addr().unwrap();
     let silent = tokio::spawn(async move {
         let (mut s, _) = listener.accept().await.unwrap();
+        greet(&mut s).await;
         let mut sink = vec![0u8; 1024];
         while s.read(&mut sink).await.map(|n| n > 0).unwrap_or(false) {}
     });
@@ -259,6 +298,7 @@ async fn a_peer_vanishing_mid_call_fails_the_call() {
     let addr = listener.local_addr().unwrap();
     tokio::spawn(async move {
         let (mut s, _) = listener.accept().await.unwrap();
+        greet(&mut s).await;
         let mut head = [0u8; HEADER_LEN];
         s.read_exact(&mut head).await.unwrap();
     });
@@ -268,58 +308,6 @@ async fn a_peer_vanishing_mid_call_fails_the_call() {
         .await
         .expect("fails, not hangs");
     assert!(matches!(r, Err(RpcError::ConnectionClosed)), "{r:?}");
-}
-
-/// Feeding the server hundreds of bad connections does not grow its memory.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn bad_input_does_not_grow_memory() {
-    let srv = suite::start(&ep(), Config::default()).await;
-    let good = suite::connect(&srv.endpoint).await;
-    let add = rdma_rpc::__private::method_id("Probe.add");
-    let bad_inputs: Vec<Vec<u8>> = vec![
-        b"garbage garbage garbage garbage garbage".to_vec(),
-        {
-            let mut f = frame(Kind::Request, 9, add, &[]);
-            f[24..32].copy_from_slice(&(1u64 << 62).to_le_bytes());
-            f
-        },
-        {
-            let mut f = frame(Kind::Request, 9, add, &[1, 2, 3]);
-            f[6] = 0xff; // 255 attachments claimed
-            f
-        },
-        frame(Kind::Request, 9, add, &[0xff; 64])[..50].to_vec(),
-    ];
-    let round = |n: usize| {
-        let bad_inputs = bad_inputs.clone();
-        let ep = srv.endpoint.clone();
-        async move {
-            for i in 0..n {
-                let mut s = raw(&ep).await;
-                s.write_all(&bad_inputs[i % bad_inputs.len()])
-                    .await
-                    .unwrap();
-                s.shutdown().await.ok();
-                read_to_close(&mut s).await;
-            }
-        }
-    };
-    round(100).await;
-    let before = rss_bytes();
-    round(400).await;
-    let after = rss_bytes();
-    assert!(
-        after < before + (16 << 20),
-        "RSS grew from {before} to {after} bytes over 400 bad connections"
-    );
-    assert_eq!(good.add(1, 1).await.unwrap(), 2);
-    srv.shutdown.shutdown();
-}
-
-fn rss_bytes() -> u64 {
-    let statm = std::fs::read_to_string("/proc/self/statm").unwrap();
-    let pages: u64 = statm.split_whitespace().nth(1).unwrap().parse().unwrap();
-    pages * 4096
 }
 
 #[tokio::test]

@@ -96,9 +96,68 @@ impl fmt::Debug for Client {
 impl Client {
     /// Starts the protocol over an established connection: spawns its reader and writer
     /// tasks on the current tokio runtime.
+    ///
+    /// This skips the greeting ([`Client::handshake`] does it), so it suits servers without
+    /// an [`auth_token`](Config::auth_token), in-process transports and tests.
     pub fn new<T: Transport>(transport: T, config: Config) -> Client {
         let peer = transport.peer();
         let (reader, writer) = transport.split();
+        Client::start(reader, writer, peer, config)
+    }
+
+    /// Greets the server (presenting [`Config::auth_token`] if set), waits for its answer
+    /// within [`Config::connect_timeout`], then starts the protocol as [`Client::new`] does.
+    /// A server that refuses the credentials makes this fail with an `Unauthenticated`
+    /// [`RpcError::Server`].
+    pub async fn handshake<T: Transport>(transport: T, config: Config) -> Result<Client, RpcError> {
+        use futures::{SinkExt, StreamExt};
+        let peer = transport.peer();
+        let (mut reader, mut writer) = transport.split();
+        let token = config
+            .auth_token
+            .as_ref()
+            .map(|t| bytes::Bytes::copy_from_slice(t.expose()))
+            .unwrap_or_default();
+        let hello = Message {
+            header: Header::new(Kind::Hello, 0),
+            body: token,
+            attachments: Vec::new(),
+        };
+        let greeting = async {
+            writer.send(hello).await?;
+            reader.next().await.transpose()
+        };
+        let answer = tokio::time::timeout(config.connect_timeout, greeting)
+            .await
+            .map_err(|_| {
+                RpcError::Unavailable(format!(
+                    "{peer}: no greeting from the server within {:?}",
+                    config.connect_timeout
+                ))
+            })??;
+        match answer {
+            Some(m) if m.header.kind == Kind::Hello => {
+                Ok(Client::start(reader, writer, peer, config))
+            }
+            Some(m) if m.header.kind == Kind::Response && m.header.aux != 0 => {
+                Err(RpcError::Server(ServerError::new(
+                    ServerErrorKind::from_code(m.header.aux),
+                    String::from_utf8_lossy(&m.body).into_owned(),
+                )))
+            }
+            Some(m) => Err(RpcError::Protocol(format!(
+                "expected the server's greeting, got a {} frame",
+                m.header.kind
+            ))),
+            None => Err(RpcError::ConnectionClosed),
+        }
+    }
+
+    fn start<R, W>(reader: R, writer: W, peer: String, config: Config) -> Client
+    where
+        R: futures::Stream<Item = std::io::Result<Message>> + Send + Unpin + 'static,
+        W: futures::Sink<Message, Error = std::io::Error> + Send + Unpin + 'static,
+    {
         let (outbox, rx) = mpsc::unbounded_channel();
         let state = Arc::new(State {
             calls: Mutex::new(Calls::default()),
@@ -345,7 +404,7 @@ where
                         Kind::Ping => {
                             let _ = outbox.send(Message::control(Kind::Pong, msg.header.id));
                         }
-                        Kind::Pong => {}
+                        Kind::Pong | Kind::Hello => {}
                         Kind::GoAway => {
                             tracing::info!("server is draining; no new calls on this connection");
                             state.calls.lock().expect("calls lock").going_away = true;

@@ -29,8 +29,47 @@ pub struct Config {
     pub keepalive_interval: Duration,
     /// A peer silent for this long is declared dead; its calls fail. Default 15 s.
     pub keepalive_timeout: Duration,
-    /// Client: time allowed to establish a connection. Default 10 s.
+    /// Client: time allowed to establish a connection (and the server's time limit for a new
+    /// connection's greeting). Default 10 s.
     pub connect_timeout: Duration,
+    /// A shared secret. A server with one drops every connection whose greeting does not carry
+    /// it, before any handler runs; a client with one presents it. Default none. Not read from
+    /// endpoint options, since endpoints are logged.
+    pub auth_token: Option<Secret>,
+}
+
+/// A secret that `Debug` does not print and that compares in constant time.
+#[derive(Clone)]
+pub struct Secret(Vec<u8>);
+
+impl Secret {
+    /// Wraps secret bytes.
+    pub fn new(bytes: impl Into<Vec<u8>>) -> Secret {
+        Secret(bytes.into())
+    }
+
+    /// The secret bytes.
+    pub fn expose(&self) -> &[u8] {
+        &self.0
+    }
+
+    /// Whether `candidate` equals the secret, in time independent of where they differ.
+    pub fn matches(&self, candidate: &[u8]) -> bool {
+        if candidate.len() != self.0.len() {
+            return false;
+        }
+        candidate
+            .iter()
+            .zip(&self.0)
+            .fold(0u8, |acc, (a, b)| acc | (a ^ b))
+            == 0
+    }
+}
+
+impl std::fmt::Debug for Secret {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Secret(..)")
+    }
 }
 
 impl Default for Config {
@@ -44,6 +83,7 @@ impl Default for Config {
             keepalive_interval: Duration::from_secs(5),
             keepalive_timeout: Duration::from_secs(15),
             connect_timeout: Duration::from_secs(10),
+            auth_token: None,
         }
     }
 }
@@ -129,5 +169,18 @@ mod tests {
         let bad: Endpoint = "tcp://h:1?eager_threshold=lots".parse().unwrap();
         let e = Config::from_endpoint(&bad).unwrap_err();
         assert!(e.to_string().contains("eager_threshold"), "{e}");
+    }
+
+    #[test]
+    fn secrets_compare_and_hide() {
+        let s = Secret::new("hunter2");
+        assert!(s.matches(b"hunter2"));
+        assert!(!s.matches(b"hunter3"));
+        assert!(!s.matches(b"hunter"));
+        let c = Config {
+            auth_token: Some(s),
+            ..Config::default()
+        };
+        assert!(!format!("{c:?}").contains("hunter2"));
     }
 }

@@ -61,6 +61,8 @@ pub enum ServerErrorKind {
     TooLarge,
     /// The result could not be encoded, or another server-side failure.
     Internal,
+    /// The connection did not present the credentials the server requires.
+    Unauthenticated,
 }
 
 impl ServerErrorKind {
@@ -75,6 +77,7 @@ impl ServerErrorKind {
             ServerErrorKind::Overloaded => 6,
             ServerErrorKind::TooLarge => 7,
             ServerErrorKind::Internal => 8,
+            ServerErrorKind::Unauthenticated => 9,
         }
     }
 
@@ -88,6 +91,7 @@ impl ServerErrorKind {
             5 => ServerErrorKind::ShuttingDown,
             6 => ServerErrorKind::Overloaded,
             7 => ServerErrorKind::TooLarge,
+            9 => ServerErrorKind::Unauthenticated,
             _ => ServerErrorKind::Internal,
         }
     }
@@ -104,6 +108,7 @@ impl fmt::Display for ServerErrorKind {
             ServerErrorKind::Overloaded => "overloaded",
             ServerErrorKind::TooLarge => "request too large",
             ServerErrorKind::Internal => "internal error",
+            ServerErrorKind::Unauthenticated => "not authenticated",
         })
     }
 }

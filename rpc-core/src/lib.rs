@@ -56,7 +56,7 @@ pub mod wire;
 
 pub use crate::client::Client;
 pub use crate::codec::{Bincode, Codec, CodecError};
-pub use crate::config::{Config, ConfigError};
+pub use crate::config::{Config, ConfigError, Secret};
 pub use crate::endpoint::{Endpoint, EndpointParseError, Scheme};
 pub use crate::error::{RpcError, ServerError, ServerErrorKind};
 pub use crate::payload::Payload;

@@ -29,7 +29,7 @@ use crate::conn::{encode_body, KeepAlive, Outbox, Tick};
 use crate::payload::with_attachments;
 use crate::transport::{Listener, Transport};
 use crate::wire::{FrameError, Header, Kind, Message};
-use crate::{Config, Payload, ServerError, ServerErrorKind};
+use crate::{Config, Payload, Secret, ServerError, ServerErrorKind};
 
 /// A set of methods served under one name. Implemented by the `FooServer<S>` types that
 /// `#[rdma_service]` generates; there is rarely a reason to implement it by hand.
@@ -248,6 +248,8 @@ impl<S: Service, W: Sink<Message, Error = io::Error> + Unpin> Conn<S, W> {
             }
             Kind::Ping => self.send(Message::control(Kind::Pong, id)).await?,
             Kind::Pong => {}
+            // Greeting without credentials required: accept it.
+            Kind::Hello => self.send(Message::control(Kind::Hello, 0)).await?,
             Kind::Response | Kind::GoAway => {
                 tracing::warn!(kind = %msg.header.kind, "client sent a server-only frame; closing");
                 return Ok(Flow::Close);
@@ -363,6 +365,13 @@ async fn serve_connection<T: Transport, S: Service>(transport: T, service: Arc<S
     let (mut reader, writer) = transport.split();
     let (outbox, mut answers) = mpsc::unbounded_channel();
     let mut keepalive = KeepAlive::new(ctx.config.keepalive_interval, ctx.config.keepalive_timeout);
+    let mut writer = writer;
+    if let Some(token) = &ctx.config.auth_token {
+        if !authenticate(&mut reader, &mut writer, token, &ctx.config).await {
+            ctx.stats.connections.fetch_sub(1, Relaxed);
+            return;
+        }
+    }
     let mut conn = Conn {
         service,
         ctx,
@@ -464,6 +473,38 @@ async fn serve_connection<T: Transport, S: Service>(transport: T, service: Arc<S
     let _ = tokio::time::timeout(limit, conn.writer.close()).await;
     conn.ctx.stats.connections.fetch_sub(1, Relaxed);
     tracing::debug!("connection closed");
+}
+
+/// Waits for the client's greeting and checks its token; answers with a greeting, or with an
+/// `Unauthenticated` error before closing. No handler runs for a connection that fails.
+async fn authenticate<R, W>(reader: &mut R, writer: &mut W, token: &Secret, config: &Config) -> bool
+where
+    R: futures::Stream<Item = io::Result<Message>> + Unpin,
+    W: Sink<Message, Error = io::Error> + Unpin,
+{
+    let first = tokio::time::timeout(config.connect_timeout, reader.next()).await;
+    let accepted =
+        matches!(&first, Ok(Some(Ok(m))) if m.header.kind == Kind::Hello && token.matches(&m.body));
+    let limit = config.connect_timeout;
+    if accepted {
+        return tokio::time::timeout(limit, writer.send(Message::control(Kind::Hello, 0)))
+            .await
+            .is_ok_and(|r| r.is_ok());
+    }
+    let why = match first {
+        Err(_) => "no greeting in time",
+        Ok(Some(Ok(m))) if m.header.kind == Kind::Hello => "wrong token",
+        Ok(Some(Ok(_))) => "no greeting before other frames",
+        Ok(Some(Err(_))) | Ok(None) => "unreadable or no greeting",
+    };
+    tracing::warn!(reason = why, "peer failed authentication; dropping it");
+    let refusal = error_message(0, ServerErrorKind::Unauthenticated, "authentication failed");
+    let _ = tokio::time::timeout(limit, async {
+        writer.send(refusal).await?;
+        writer.close().await
+    })
+    .await;
+    false
 }
 
 fn error_message(id: u64, kind: ServerErrorKind, message: &str) -> Message {

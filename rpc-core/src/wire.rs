@@ -49,6 +49,9 @@ pub enum Kind {
     Pong = 5,
     /// The server is draining: no new requests on this connection.
     GoAway = 6,
+    /// Opens a connection. The client's carries its credentials (the shared token, possibly
+    /// empty) as the body; the server answers with a `Hello` of its own when it accepts.
+    Hello = 7,
 }
 
 impl Kind {
@@ -60,6 +63,7 @@ impl Kind {
             4 => Kind::Ping,
             5 => Kind::Pong,
             6 => Kind::GoAway,
+            7 => Kind::Hello,
             _ => return None,
         })
     }

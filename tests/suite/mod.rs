@@ -410,3 +410,27 @@ pub async fn size_limits(bind: &Endpoint) {
     assert_eq!(limited.add(2, 2).await.unwrap(), 4);
     srv.shutdown.shutdown();
 }
+
+/// A server with a shared token accepts only clients that present it; others are refused
+/// before any handler runs, and the server keeps serving the good ones.
+pub async fn auth_token(bind: &Endpoint) {
+    use rdma_rpc::Secret;
+    let mut config = Config::default();
+    config.auth_token = Some(Secret::new("s3cret"));
+    let srv = start(bind, config.clone()).await;
+    let good = connect_with(&srv.endpoint, config).await;
+    assert_eq!(good.add(1, 2).await.unwrap(), 3);
+    for token in [None, Some("s3creT"), Some("")] {
+        let mut c = Config::default();
+        c.auth_token = token.map(Secret::new);
+        let e = Client::connect_with(&srv.endpoint, c).await.unwrap_err();
+        assert_eq!(
+            e.server_kind(),
+            Some(ServerErrorKind::Unauthenticated),
+            "{token:?}: {e}"
+        );
+    }
+    assert_eq!(good.add(2, 2).await.unwrap(), 4);
+    assert_eq!(srv.probes.events.max_running.load(Ordering::SeqCst), 0);
+    srv.shutdown.shutdown();
+}
