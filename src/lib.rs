@@ -74,6 +74,7 @@ pub use rpc_macros::rdma_service;
 use rpc_core::server::ServerStats;
 use serde::de::DeserializeOwned;
 use serde::Serialize;
+use tracing::Instrument;
 use transport_tcp::{TcpListener, TcpTransport};
 
 /// Codecs for message bodies: [`Bincode`](codec::Bincode) by default, or your own
@@ -96,59 +97,158 @@ pub mod __private {
 /// A connection to a server, shared by cheap clones. Generated clients wrap one; use it
 /// directly to choose a [`Config`] ([`Client::connect_with`]) and hand it to
 /// `FooClient::from_client`.
+///
+/// When the connection is lost, calls in flight on it fail with
+/// [`RpcError::ConnectionClosed`] (they may or may not have run). The next call connects again
+/// (with a backoff between failed attempts) and, as [`Config::wait_for_reconnect`] says, waits
+/// for the new connection or fails at once with [`RpcError::Unavailable`] while it is down.
 #[derive(Clone)]
 pub struct Client {
-    inner: rpc_core::Client,
+    conn: Arc<Conn>,
+    timeout: Option<Duration>,
 }
 
 impl fmt::Debug for Client {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        self.inner.fmt(f)
+        f.debug_struct("Client")
+            .field("endpoint", &self.conn.endpoint)
+            .field("timeout", &self.timeout)
+            .field("connected", &self.conn.live().is_some())
+            .finish()
     }
+}
+
+/// The current connection of a client and how to make a new one.
+struct Conn {
+    /// `None` for a client over a transport it was handed, which cannot reconnect.
+    endpoint: Option<Endpoint>,
+    config: Config,
+    current: std::sync::Mutex<rpc_core::Client>,
+    /// Held while connecting, so that concurrent calls make one attempt, not many.
+    reconnecting: tokio::sync::Mutex<Backoff>,
+}
+
+struct Backoff {
+    next: Duration,
+}
+
+impl Conn {
+    fn live(&self) -> Option<rpc_core::Client> {
+        let c = self.current.lock().expect("connection lock");
+        (!c.is_closed()).then(|| c.clone())
+    }
+
+    /// The connection to send on, reconnecting if it is gone (as configured).
+    async fn get(self: &Arc<Self>) -> Result<rpc_core::Client, RpcError> {
+        if let Some(c) = self.live() {
+            return Ok(c);
+        }
+        let Some(endpoint) = self.endpoint.clone().filter(|_| self.config.reconnect) else {
+            return Err(RpcError::ConnectionClosed);
+        };
+        if self.config.wait_for_reconnect {
+            return self.reconnect(&endpoint).await;
+        }
+        // Fail fast, with one reconnection attempt under way in the background.
+        if self.reconnecting.try_lock().is_ok() {
+            let me = self.clone();
+            let ep = endpoint.clone();
+            tokio::spawn(async move {
+                let _ = me.reconnect(&ep).await;
+            });
+        }
+        Err(RpcError::Unavailable(format!(
+            "{endpoint}: not connected (reconnecting in the background)"
+        )))
+    }
+
+    async fn reconnect(&self, endpoint: &Endpoint) -> Result<rpc_core::Client, RpcError> {
+        let mut backoff = self.reconnecting.lock().await;
+        if let Some(c) = self.live() {
+            return Ok(c); // Someone else reconnected meanwhile.
+        }
+        let give_up = tokio::time::Instant::now() + self.config.connect_timeout;
+        loop {
+            match connect_once(endpoint, &self.config).await {
+                Ok(c) => {
+                    tracing::info!(%endpoint, "reconnected");
+                    *self.current.lock().expect("connection lock") = c.clone();
+                    backoff.next = self.config.reconnect_backoff;
+                    return Ok(c);
+                }
+                Err(e) => {
+                    let pause = backoff.next;
+                    backoff.next = (pause * 2).min(self.config.reconnect_backoff_max);
+                    if tokio::time::Instant::now() + pause >= give_up {
+                        tracing::debug!(%endpoint, error = %e, "reconnection failed");
+                        return Err(e);
+                    }
+                    tracing::debug!(%endpoint, error = %e, ?pause, "reconnection failed; retrying");
+                    tokio::time::sleep(pause).await;
+                }
+            }
+        }
+    }
+}
+
+/// One connection attempt, with the greeting, bounded by `connect_timeout`.
+async fn connect_once(endpoint: &Endpoint, config: &Config) -> Result<rpc_core::Client, RpcError> {
+    let timeout = config.connect_timeout;
+    let connecting = async {
+        match endpoint.scheme() {
+            Scheme::Tcp => {
+                let t = TcpTransport::connect(endpoint.authority(), config.clone())
+                    .await
+                    .map_err(|e| connect_error(endpoint, e))?;
+                rpc_core::Client::handshake(t, config.clone()).await
+            }
+            Scheme::Rdma => rdma::connect(endpoint, config.clone()).await,
+            _ => Err(RpcError::Unavailable(format!(
+                "{endpoint}: transport not built in"
+            ))),
+        }
+    };
+    tokio::time::timeout(
+        timeout,
+        connecting.instrument(tracing::info_span!("connect", %endpoint)),
+    )
+    .await
+    .map_err(|_| RpcError::Unavailable(format!("{endpoint}: no connection within {timeout:?}")))?
 }
 
 impl Client {
     /// Connects to `endpoint` with the default [`Config`] and the endpoint's options.
     pub async fn connect(endpoint: &Endpoint) -> Result<Client, RpcError> {
-        let config = Config::from_endpoint(endpoint).map_err(invalid_config)?;
-        Client::connect_with(endpoint, config).await
+        Client::connect_with(endpoint, Config::default()).await
     }
 
-    /// Connects to `endpoint` with `config` (the endpoint's options still apply on top).
+    /// Connects to `endpoint` with `config` (the endpoint's options apply on top).
     pub async fn connect_with(endpoint: &Endpoint, config: Config) -> Result<Client, RpcError> {
         let config = config
             .with_endpoint_options(endpoint)
             .map_err(invalid_config)?;
-        let span = tracing::info_span!("connect", %endpoint);
-        let _enter = span.enter();
-        let timeout = config.connect_timeout;
-        let connecting = async {
-            match endpoint.scheme() {
-                Scheme::Tcp => {
-                    let t = TcpTransport::connect(endpoint.authority(), config.clone())
-                        .await
-                        .map_err(|e| connect_error(endpoint, e))?;
-                    rpc_core::Client::handshake(t, config.clone()).await
-                }
-                Scheme::Rdma => rdma::connect(endpoint, config.clone()).await,
-                _ => Err(RpcError::Unavailable(format!(
-                    "{endpoint}: transport not built in"
-                ))),
-            }
-        };
-        drop(_enter);
-        let inner = tokio::time::timeout(timeout, connecting)
-            .await
-            .map_err(|_| {
-                RpcError::Unavailable(format!("{endpoint}: no connection within {timeout:?}"))
-            })??;
-        Ok(Client { inner })
+        let first = connect_once(endpoint, &config).await?;
+        Ok(Client::with_conn(Some(endpoint.clone()), config, first))
     }
 
-    /// Starts the protocol over a connection you made yourself (any [`core::Transport`]).
+    /// Starts the protocol over a connection you made yourself (any [`core::Transport`]). Such
+    /// a client cannot reconnect.
     pub fn from_transport<T: rpc_core::Transport>(transport: T, config: Config) -> Client {
+        let first = rpc_core::Client::new(transport, config.clone());
+        Client::with_conn(None, config, first)
+    }
+
+    fn with_conn(endpoint: Option<Endpoint>, config: Config, first: rpc_core::Client) -> Client {
         Client {
-            inner: rpc_core::Client::new(transport, config),
+            conn: Arc::new(Conn {
+                endpoint,
+                reconnecting: tokio::sync::Mutex::new(Backoff {
+                    next: config.reconnect_backoff,
+                }),
+                config,
+                current: std::sync::Mutex::new(first),
+            }),
+            timeout: None,
         }
     }
 
@@ -156,28 +256,43 @@ impl Client {
     /// [`RpcError::DeadlineExceeded`] after `timeout`; the server drops the work then too.
     pub fn with_timeout(&self, timeout: Duration) -> Client {
         Client {
-            inner: self.inner.with_timeout(timeout),
+            conn: self.conn.clone(),
+            timeout: Some(timeout),
         }
     }
 
-    /// Whether the connection is gone.
+    /// Whether the current connection is gone (the next call reconnects, if configured).
     pub fn is_closed(&self) -> bool {
-        self.inner.is_closed()
+        self.conn.live().is_none()
     }
 
-    /// Resolves when the connection is gone.
+    /// Waits until connected, reconnecting if needed (bounded by `connect_timeout`).
+    pub async fn ensure_connected(&self) -> Result<(), RpcError> {
+        match (self.conn.live(), &self.conn.endpoint) {
+            (Some(_), _) => Ok(()),
+            (None, Some(ep)) => self.conn.reconnect(ep).await.map(|_| ()),
+            (None, None) => Err(RpcError::ConnectionClosed),
+        }
+    }
+
+    /// Resolves when the current connection is gone.
     pub fn closed(&self) -> impl Future<Output = ()> + Send + 'static {
-        self.inner.closed()
+        let current = self.conn.current.lock().expect("connection lock").clone();
+        current.closed()
     }
 
-    /// Calls waiting for an answer on this connection.
+    /// Calls waiting for an answer on the current connection.
     pub fn in_flight(&self) -> usize {
-        self.inner.in_flight()
+        self.conn
+            .current
+            .lock()
+            .expect("connection lock")
+            .in_flight()
     }
 
-    /// The protocol-level client.
-    pub fn as_core(&self) -> &rpc_core::Client {
-        &self.inner
+    /// The configuration in force.
+    pub fn config(&self) -> &Config {
+        &self.conn.config
     }
 
     /// Calls a method by id; what generated clients do. See [`rpc_core::Client::call`].
@@ -192,7 +307,22 @@ impl Client {
         A: Serialize + ?Sized,
         R: DeserializeOwned + Send + 'static,
     {
-        self.inner.call::<C, A, R>(method, name, args)
+        let deadline = self.timeout.map(|t| tokio::time::Instant::now() + t);
+        let prepared = rpc_core::client::Prepared::new::<C, A>(method, name, args);
+        // Fast path: connected, no extra await.
+        if let Some(c) = self.conn.live() {
+            return futures::future::Either::Left(c.send::<C, R>(prepared, deadline));
+        }
+        let conn = self.conn.clone();
+        futures::future::Either::Right(async move {
+            let c = match deadline {
+                Some(d) => tokio::time::timeout_at(d, conn.get())
+                    .await
+                    .map_err(|_| RpcError::DeadlineExceeded)??,
+                None => conn.get().await?,
+            };
+            c.send::<C, R>(prepared, deadline).await
+        })
     }
 }
 

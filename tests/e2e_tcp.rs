@@ -37,6 +37,7 @@ suite_tests!(
     graceful_shutdown,
     size_limits,
     auth_token,
+    reconnect_after_restart,
 );
 
 /// Without the greeting, a raw peer's request never reaches a handler on a server that

@@ -48,11 +48,12 @@ impl State {
             calls.closed = true;
             std::mem::take(&mut calls.waiting)
         };
+        // Closed before any caller hears of it, so a failed call sees a closed client.
+        self.closed.cancel();
+        self.credits.close();
         for (_, w) in waiting {
             let _ = w.send(Err(RpcError::ConnectionClosed));
         }
-        self.credits.close();
-        self.closed.cancel();
     }
 }
 
@@ -243,22 +244,25 @@ impl Client {
         R: DeserializeOwned + Send + 'static,
     {
         let deadline = self.timeout.map(|t| Instant::now() + t);
-        let encoded = encode_body::<C, A>(args).map_err(RpcError::Codec);
+        self.send::<C, R>(Prepared::new::<C, A>(method, name, args), deadline)
+    }
+
+    /// Sends a call encoded beforehand with [`Prepared::new`], failing with
+    /// [`RpcError::DeadlineExceeded`] at `deadline` (this handle's own timeout is not used).
+    pub fn send<C, R>(
+        &self,
+        prepared: Result<Prepared, RpcError>,
+        deadline: Option<Instant>,
+    ) -> impl Future<Output = Result<R, RpcError>> + Send + 'static
+    where
+        C: Codec,
+        R: DeserializeOwned + Send + 'static,
+    {
         let inner = self.inner.clone();
+        let name = prepared.as_ref().map_or("?", |p| p.name);
         let span = tracing::debug_span!("call", method = name);
         async move {
-            let (body, attachments) = encoded?;
-            let msg = Message {
-                header: Header {
-                    kind: Kind::Request,
-                    flags: 0,
-                    id: 0,
-                    method,
-                    aux: 0,
-                },
-                body,
-                attachments,
-            };
+            let msg = prepared?.msg;
             let size = msg.payload_len();
             if size > inner.config.max_message_size {
                 return Err(RpcError::TooLarge {
@@ -278,6 +282,45 @@ impl Client {
             decode_reply::<C, R>(reply)
         }
         .instrument(span)
+    }
+}
+
+/// A call's encoded arguments, ready to send on any connection (so a client that reconnects
+/// can encode before it knows which connection the call will take).
+#[derive(Debug)]
+pub struct Prepared {
+    name: &'static str,
+    msg: Message,
+}
+
+impl Prepared {
+    /// Encodes `args` for method `method` (named `name`) with codec `C`, lifting payloads
+    /// out into attachments.
+    pub fn new<C: Codec, A: Serialize + ?Sized>(
+        method: u32,
+        name: &'static str,
+        args: &A,
+    ) -> Result<Prepared, RpcError> {
+        let (body, attachments) = encode_body::<C, A>(args).map_err(RpcError::Codec)?;
+        Ok(Prepared {
+            name,
+            msg: Message {
+                header: Header {
+                    kind: Kind::Request,
+                    flags: 0,
+                    id: 0,
+                    method,
+                    aux: 0,
+                },
+                body,
+                attachments,
+            },
+        })
+    }
+
+    /// The method's name.
+    pub fn name(&self) -> &'static str {
+        self.name
     }
 }
 

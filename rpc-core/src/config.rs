@@ -36,6 +36,17 @@ pub struct Config {
     /// it, before any handler runs; a client with one presents it. Default none. Not read from
     /// endpoint options, since endpoints are logged.
     pub auth_token: Option<Secret>,
+    /// Client: after the connection is lost, the next call connects again. Default on.
+    pub reconnect: bool,
+    /// Client: while reconnecting, calls wait for the connection (bounded by their deadline,
+    /// or by `connect_timeout` when they have none) rather than failing at once with
+    /// `Unavailable`. Default on.
+    pub wait_for_reconnect: bool,
+    /// Client: first pause between failed connection attempts; it doubles up to
+    /// `reconnect_backoff_max`. Default 50 ms.
+    pub reconnect_backoff: Duration,
+    /// Client: longest pause between connection attempts. Default 2 s.
+    pub reconnect_backoff_max: Duration,
 }
 
 /// A secret that `Debug` does not print and that compares in constant time.
@@ -84,6 +95,10 @@ impl Default for Config {
             keepalive_timeout: Duration::from_secs(15),
             connect_timeout: Duration::from_secs(10),
             auth_token: None,
+            reconnect: true,
+            wait_for_reconnect: true,
+            reconnect_backoff: Duration::from_millis(50),
+            reconnect_backoff_max: Duration::from_secs(2),
         }
     }
 }
@@ -100,8 +115,9 @@ pub struct ConfigError {
 impl Config {
     /// The defaults with the endpoint's options applied: `eager_threshold`, `max_message_size`,
     /// `max_in_flight`, `max_concurrent_handlers` (numbers), `keepalive_ms`,
-    /// `keepalive_timeout_ms`, `connect_timeout_ms` (milliseconds). Other options belong to the
-    /// transport and are ignored here.
+    /// `keepalive_timeout_ms`, `connect_timeout_ms`, `reconnect_backoff_ms`,
+    /// `reconnect_backoff_max_ms` (milliseconds), `reconnect` (`0` or `1`) and `when_down`
+    /// (`wait` or `fail`). Other options belong to the transport and are ignored here.
     pub fn from_endpoint(ep: &Endpoint) -> Result<Config, ConfigError> {
         Config::default().with_endpoint_options(ep)
     }
@@ -136,6 +152,38 @@ impl Config {
                     self.keepalive_timeout = Duration::from_millis(positive()?)
                 }
                 "connect_timeout_ms" => self.connect_timeout = Duration::from_millis(positive()?),
+                "reconnect_backoff_ms" => {
+                    self.reconnect_backoff = Duration::from_millis(positive()?)
+                }
+                "reconnect_backoff_max_ms" => {
+                    self.reconnect_backoff_max = Duration::from_millis(positive()?)
+                }
+                "reconnect" => {
+                    self.reconnect = match v {
+                        "1" | "true" => true,
+                        "0" | "false" => false,
+                        _ => {
+                            return Err(ConfigError {
+                                key: k.to_owned(),
+                                value: v.to_owned(),
+                                reason: "expected 0 or 1",
+                            })
+                        }
+                    }
+                }
+                "when_down" => {
+                    self.wait_for_reconnect = match v {
+                        "wait" => true,
+                        "fail" => false,
+                        _ => {
+                            return Err(ConfigError {
+                                key: k.to_owned(),
+                                value: v.to_owned(),
+                                reason: "expected wait or fail",
+                            })
+                        }
+                    }
+                }
                 _ => {}
             }
         }

@@ -434,3 +434,48 @@ pub async fn auth_token(bind: &Endpoint) {
     assert_eq!(srv.probes.events.max_running.load(Ordering::SeqCst), 0);
     srv.shutdown.shutdown();
 }
+
+/// After the server restarts, a client reconnects by itself. While it is down, calls wait
+/// (bounded by their deadline) or, configured to fail fast, fail at once with Unavailable.
+pub async fn reconnect_after_restart(bind: &Endpoint) {
+    let srv = start(bind, Config::default()).await;
+    let ep = srv.endpoint.clone();
+    let waiting = connect(&ep).await;
+    let mut fail_fast = Config::default();
+    fail_fast.wait_for_reconnect = false;
+    let fast = connect_with(&ep, fail_fast).await;
+    assert_eq!(waiting.add(1, 1).await.unwrap(), 2);
+    assert_eq!(fast.add(1, 1).await.unwrap(), 2);
+
+    srv.shutdown.shutdown();
+    tokio::time::timeout(EVENTUALLY, srv.serving)
+        .await
+        .expect("server stops")
+        .unwrap()
+        .unwrap();
+    for c in [&waiting, &fast] {
+        tokio::time::timeout(EVENTUALLY, c.client().closed())
+            .await
+            .expect("the client sees the connection close");
+    }
+    let e = tokio::time::timeout(EVENTUALLY, fast.add(2, 2))
+        .await
+        .expect("fails fast")
+        .unwrap_err();
+    assert!(matches!(e, RpcError::Unavailable(_)), "{e}");
+    let e = waiting
+        .with_timeout(Duration::from_millis(300))
+        .add(2, 2)
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(e, RpcError::DeadlineExceeded | RpcError::Unavailable(_)),
+        "{e}"
+    );
+
+    let again = start(&ep, Config::default()).await;
+    assert_eq!(waiting.add(3, 3).await.unwrap(), 6, "reconnected by itself");
+    fast.client().ensure_connected().await.unwrap();
+    assert_eq!(fast.add(4, 4).await.unwrap(), 8);
+    again.shutdown.shutdown();
+}
