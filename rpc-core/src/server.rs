@@ -360,6 +360,18 @@ impl<S: Service, W: Sink<Message, Error = io::Error> + Unpin> Conn<S, W> {
 /// Serves one connection until the peer goes away or the server has drained.
 async fn serve_connection<T: Transport, S: Service>(transport: T, service: Arc<S>, ctx: Ctx) {
     use std::sync::atomic::Ordering::Relaxed;
+    let transport =
+        match tokio::time::timeout(ctx.config.connect_timeout, transport.establish()).await {
+            Ok(Ok(t)) => t,
+            Ok(Err(e)) => {
+                tracing::warn!(error = %e, "connection set-up failed");
+                return;
+            }
+            Err(_) => {
+                tracing::warn!("connection set-up timed out");
+                return;
+            }
+        };
     ctx.stats.connections.fetch_add(1, Relaxed);
     tracing::debug!("connection open");
     let (mut reader, writer) = transport.split();

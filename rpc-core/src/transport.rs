@@ -36,6 +36,16 @@ pub trait Transport: Send + 'static {
 
     /// The peer's address, for logs.
     fn peer(&self) -> String;
+
+    /// Completes the server side of an accepted connection (a TLS handshake, say). Servers
+    /// call it in the connection's own task, bounded by `connect_timeout`, so a slow peer
+    /// cannot hold up accepting others. The default does nothing.
+    fn establish(self) -> impl Future<Output = io::Result<Self>> + Send
+    where
+        Self: Sized,
+    {
+        std::future::ready(Ok(self))
+    }
 }
 
 /// Accepts connections of one transport.
