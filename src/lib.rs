@@ -78,7 +78,7 @@ use tracing::Instrument;
 use transport_tcp::{TcpListener, TcpTransport};
 
 /// Codecs for message bodies: [`Bincode`](codec::Bincode) by default, or your own
-/// [`Codec`](codec::Codec) named in `#[rdma_service(codec = …)]`.
+/// [`Codec`] named in `#[rdma_service(codec = …)]`.
 pub mod codec {
     pub use rpc_core::codec::{Bincode, Codec, CodecError};
 }
@@ -87,6 +87,10 @@ pub mod codec {
 pub mod core {
     pub use rpc_core::*;
 }
+
+/// TLS for `tcp://` endpoints: the endpoint options that turn it on, and [`tls::ServerTls`].
+#[cfg(feature = "tls")]
+pub mod tls;
 
 /// Used by the code `#[rdma_service]` generates; not a stable API.
 #[doc(hidden)]
@@ -197,7 +201,8 @@ async fn connect_once(endpoint: &Endpoint, config: &Config) -> Result<rpc_core::
     let connecting = async {
         match endpoint.scheme() {
             Scheme::Tcp => {
-                let t = TcpTransport::connect(endpoint.authority(), config.clone())
+                // Plain text or TLS, as the endpoint's options say.
+                let t = TcpTransport::connect_endpoint(endpoint, config.clone())
                     .await
                     .map_err(|e| connect_error(endpoint, e))?;
                 rpc_core::Client::handshake(t, config.clone()).await
@@ -377,7 +382,8 @@ impl Server {
             .map_err(invalid_config)?;
         let (listener, local) = match endpoint.scheme() {
             Scheme::Tcp => {
-                let l = TcpListener::bind(endpoint.authority(), config.clone()).await?;
+                // Plain text or TLS, as the endpoint's options say.
+                let l = TcpListener::bind_endpoint(endpoint, config.clone()).await?;
                 let port = l.local_addr()?.port();
                 (AnyListener::Tcp(l), endpoint.with_port(port))
             }
