@@ -531,6 +531,11 @@ impl Credits {
 
     /// A packet arrived (consuming one of our slots) returning `credits` of the peer's.
     pub fn on_receive(&mut self, credits: u16) -> Result<(), ProtocolViolation> {
+        // Every slot is already owed back: the peer sent with no credit, so this packet landed
+        // in no posted slot it was allowed to use.
+        if self.owed >= self.slots {
+            return Err(ProtocolViolation::NoCredit);
+        }
         let available = self.available + credits as u32;
         if available > self.slots {
             return Err(ProtocolViolation::NoCredit);

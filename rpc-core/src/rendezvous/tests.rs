@@ -209,6 +209,19 @@ fn credits_never_overrun_and_always_return() {
     assert_eq!(a.owed(), 0);
 }
 
+/// Found by the fuzzer (fuzz/regressions/rendezvous/): a peer that keeps sending after its
+/// credits ran out must be caught, not counted past the window.
+#[test]
+fn sending_without_credit_is_a_violation() {
+    let mut me = Credits::new(2);
+    for _ in 0..2 {
+        me.on_receive(0).unwrap();
+        me.on_slot_reposted();
+    }
+    // Both slots are owed back and the peer has returned nothing: it had no credit left.
+    assert_eq!(me.on_receive(0), Err(ProtocolViolation::NoCredit));
+}
+
 #[test]
 fn transfers_refuse_stale_and_forged_ids() {
     let mut t: Transfers<u32> = Transfers::new();

@@ -28,32 +28,51 @@ pub trait Codec: Send + Sync + 'static {
 #[derive(Debug, Clone, Copy, Default)]
 pub struct Bincode;
 
-macro_rules! decode_with_limit {
-    ($bytes:expr, $($limit:expr),*) => {{
-        let n = $bytes.len().saturating_mul(2);
-        $(
-            if n <= $limit {
-                let cfg = bincode::config::standard().with_limit::<{ $limit }>();
-                return finish(bincode::serde::decode_from_slice($bytes, cfg), $bytes.len());
-            }
-        )*
-        let cfg = bincode::config::standard().with_limit::<{ 1usize << 40 }>();
-        finish(bincode::serde::decode_from_slice($bytes, cfg), $bytes.len())
-    }};
+mod guard;
+
+pub use guard::MAX_DEPTH;
+
+/// A bincode reader over a slice that reports how much is left through `left`.
+struct CountingReader<'a> {
+    rest: &'a [u8],
+    left: &'a std::cell::Cell<usize>,
 }
 
-fn finish<T>(
-    r: Result<(T, usize), bincode::error::DecodeError>,
-    len: usize,
-) -> Result<T, CodecError> {
-    match r {
-        Ok((v, used)) if used == len => Ok(v),
-        Ok((_, used)) => Err(CodecError(format!(
-            "{} trailing bytes after the value",
-            len - used
-        ))),
-        Err(e) => Err(CodecError(e.to_string())),
+impl bincode::de::read::Reader for CountingReader<'_> {
+    fn read(&mut self, bytes: &mut [u8]) -> Result<(), bincode::error::DecodeError> {
+        if bytes.len() > self.rest.len() {
+            return Err(bincode::error::DecodeError::UnexpectedEnd {
+                additional: bytes.len() - self.rest.len(),
+            });
+        }
+        let (head, tail) = self.rest.split_at(bytes.len());
+        bytes.copy_from_slice(head);
+        self.rest = tail;
+        self.left.set(tail.len());
+        Ok(())
     }
+}
+
+/// Decodes through the [`guard`] adapter with a bincode claim limit of `LIMIT` bytes.
+fn decode_limited<T: DeserializeOwned, const LIMIT: usize>(bytes: &[u8]) -> Result<T, CodecError> {
+    let config = bincode::config::standard().with_limit::<LIMIT>();
+    let left = std::cell::Cell::new(bytes.len());
+    let reader = CountingReader {
+        rest: bytes,
+        left: &left,
+    };
+    let mut decoder = bincode::serde::OwnedSerdeDecoder::from_reader(reader, config);
+    let depth = std::cell::Cell::new(0);
+    let value = T::deserialize(guard::Guard {
+        inner: decoder.as_deserializer(),
+        depth: &depth,
+    })
+    .map_err(|e| CodecError(e.to_string()))?;
+    let left = left.get();
+    if left != 0 {
+        return Err(CodecError(format!("{left} trailing bytes after the value")));
+    }
+    Ok(value)
 }
 
 impl Codec for Bincode {
@@ -64,7 +83,16 @@ impl Codec for Bincode {
     }
 
     fn decode<T: DeserializeOwned>(bytes: &[u8]) -> Result<T, CodecError> {
-        decode_with_limit!(bytes, 1 << 12, 1 << 16, 1 << 20, 1 << 24, 1 << 28, 1 << 31)
+        // bincode's claim limit in size classes: at least twice the input, so strings and byte
+        // buffers cannot claim more than the input could hold.
+        match bytes.len().saturating_mul(2) {
+            n if n <= 1 << 12 => decode_limited::<T, { 1 << 12 }>(bytes),
+            n if n <= 1 << 16 => decode_limited::<T, { 1 << 16 }>(bytes),
+            n if n <= 1 << 20 => decode_limited::<T, { 1 << 20 }>(bytes),
+            n if n <= 1 << 24 => decode_limited::<T, { 1 << 24 }>(bytes),
+            n if n <= 1 << 28 => decode_limited::<T, { 1 << 28 }>(bytes),
+            _ => decode_limited::<T, { 1 << 31 }>(bytes),
+        }
     }
 }
 
