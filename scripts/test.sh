@@ -6,7 +6,9 @@
 #   2. cargo fmt --check, clippy with -D warnings, rustdoc with -D warnings;
 #   3. the test suites of every crate (unit, integration over TCP loopback, macro compile-fail
 #      tests, doc tests);
-#   4. the RDMA tests on real software RDMA devices (rxe and siw) in a QEMU guest
+#   4. the fuzz targets (frame decoder, codec, rendezvous), each for a bounded time, after
+#      replaying every saved crash as a regression test;
+#   5. the RDMA tests on real software RDMA devices (rxe and siw) in a QEMU guest
 #      (scripts/rdma-test.sh; builds the guest image on first use). SKIP_RDMA=1 skips this
 #      stage and says so loudly; CI never sets it.
 set -euo pipefail
@@ -29,6 +31,9 @@ RUSTDOCFLAGS="-D warnings" cargo doc --locked --no-deps -p rdma-rpc -p rpc-core 
 
 stage "tests"
 cargo test --locked -p rdma-rpc -p rpc-core -p rpc-macros -p transport-tcp -p transport-rdma
+
+stage "fuzzing (bounded: ${FUZZ_SECONDS:-30} s a target; regressions replayed first; fuzz/README.md)"
+bash scripts/fuzz.sh "${FUZZ_SECONDS:-30}"
 
 if [ "${SKIP_RDMA:-0}" = 1 ]; then
   stage "RDMA tests SKIPPED (SKIP_RDMA=1): nothing was tested on RDMA devices"

@@ -1,0 +1,3 @@
+#![no_main]
+//! See `rdma_rpc_fuzz::rendezvous`.
+libfuzzer_sys::fuzz_target!(|data: &[u8]| rdma_rpc_fuzz::rendezvous::run(data));
