@@ -1,0 +1,232 @@
+#!/bin/bash
+# Runs rdma-rpc's RDMA tests on REAL verbs: software RDMA devices in a QEMU guest, on Soft-RoCE
+# (rxe0, RoCE v2) AND on soft-iWARP (siw0), plus perftest reference figures from the same guest.
+#
+#   1. installs the build dependencies and builds the guest image if needed (cached in
+#      ${RDMA_VM_DIR:-/var/cache/rdma-rpc-vm}; a cold build takes ~2 min);
+#   2. builds the host-side test executables: the integration tests whose target name contains
+#      "guest" (e.g. transport-rdma/tests/verbs_guest.rs) of the packages in RDMA_TEST_PACKAGES
+#      (those that exist in the workspace), with `cargo test --no-run --message-format=json`,
+#      plus any `--example NAME` given;
+#   3. boots the guest and, for each device, runs every test executable with
+#      RDMA_RPC_TEST_DEVICE=<dev> RDMA_RPC_TEST_IP=<ip> (those tests are built only with the
+#      `guest-tests` features, never on ordinary test runs, and FAIL when the named device is
+#      missing), and every example with
+#      the same environment;
+#   4. runs ib_send_lat, ib_write_bw and ib_read_bw on both devices (rxe with -x 1, siw with -R);
+#   5. prints which device each run used, the tests' own figures and perftest's, and exits
+#      non-zero if any test failed, a device did not come up, or nothing ran.
+#
+# Usage: scripts/rdma-test.sh [--example NAME]...
+# Env: RDMA_TEST_PACKAGES (default "transport-rdma rdma-rpc"), RDMA_TEST_FEATURES (default
+#      "rdma-rpc/rdma"; a "pkg/feature" applies only when pkg has guest tests),
+#      RDMA_TEST_PROFILE (release|dev, default release), CARGO_TARGET_DIR, RDMA_TEST_OUT (the
+#      folder shared with the guest, default $CARGO_TARGET_DIR/rdma-test), RDMA_TEST_MANIFEST
+#      (default: the workspace's Cargo.toml), RDMA_TEST_TIMEOUT (guest hard timeout, s, default
+#      2400), RDMA_TEST_PERFTEST (1; 0 skips), RDMA_VM_DIR (image cache); RUST_LOG is passed to
+#      the tests in the guest. The last line is "rdma-test: N passed, M failed" (test cases).
+set -euo pipefail
+
+ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+VM="$ROOT/scripts/rdma-vm"
+MANIFEST=${RDMA_TEST_MANIFEST:-$ROOT/Cargo.toml}
+TARGET_DIR=${CARGO_TARGET_DIR:-$ROOT/target}
+OUT=${RDMA_TEST_OUT:-$TARGET_DIR/rdma-test}
+PACKAGES=${RDMA_TEST_PACKAGES:-transport-rdma rdma-rpc}
+FEATURES=${RDMA_TEST_FEATURES-rdma-rpc/guest-tests transport-rdma/guest-tests}
+PROFILE=${RDMA_TEST_PROFILE:-release}
+EXAMPLES=()
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --example) EXAMPLES+=("$2"); shift 2 ;;
+    -h|--help) sed -n '2,26p' "$0"; exit 0 ;;
+    *) echo "rdma-test: unknown argument $1" >&2; exit 2 ;;
+  esac
+done
+T0=$(date +%s)
+say() { echo "rdma-test: [$(( $(date +%s) - T0 ))s] $*"; }
+
+# ---- 1. build dependencies and guest image
+bash "$ROOT/scripts/install-build-deps.sh"
+bash "$VM/build-image.sh"
+
+command -v python3 >/dev/null || { say "installing python3 (reads cargo metadata)"; \
+  DEBIAN_FRONTEND=noninteractive apt-get -o DPkg::Lock::Timeout=600 install -y -qq python3-minimal >/dev/null; }
+
+# ---- 2. host-side executables
+rm -rf "$OUT"
+mkdir -p "$OUT/bin" "$OUT/logs"
+# the guest test targets (integration tests named *guest*) of the requested packages
+if ! cargo metadata --manifest-path "$MANIFEST" --no-deps --format-version 1 >"$OUT/logs/metadata.json" 2>"$OUT/logs/metadata.err"; then
+  echo "rdma-test: cargo metadata FAILED:" >&2; tail -n 20 "$OUT/logs/metadata.err" >&2; exit 1
+fi
+PACKAGES="$PACKAGES" python3 - "$OUT/logs/metadata.json" > "$OUT/logs/targets.txt" <<'PYEOF'
+import json, os, sys
+meta = json.load(open(sys.argv[1]))
+wanted = os.environ["PACKAGES"].split()
+for p in meta["packages"]:
+    if p["name"] in wanted:
+        for t in p["targets"]:
+            if "test" in t["kind"] and "guest" in t["name"]:
+                print(p["name"], t["name"])
+PYEOF
+BUILD_ARGS=()
+for p in $(awk '{print $1}' "$OUT/logs/targets.txt" | sort -u); do BUILD_ARGS+=(-p "$p"); done
+while read -r _ t; do BUILD_ARGS+=(--test "$t"); done < "$OUT/logs/targets.txt"
+# features: keep those of selected packages ("pkg/feature") or plain ones
+SEL=" $(awk '{print $1}' "$OUT/logs/targets.txt" | sort -u | tr '\n' ' ') "
+FEATS=""
+for f in ${FEATURES//,/ }; do
+  case "$f" in */*) [[ "$SEL" == *" ${f%%/*} "* ]] && FEATS="$FEATS $f" ;; *) FEATS="$FEATS $f" ;; esac
+done
+[ -n "${FEATS# }" ] && BUILD_ARGS+=(--features "${FEATS# }")
+say "guest test targets: $(awk '{print $1 "/" $2}' "$OUT/logs/targets.txt" | tr '\n' ' ')"
+BUILD_LOG="$OUT/logs/cargo-build.log"
+: > "$OUT/logs/cargo-test.json"
+if [ -s "$OUT/logs/targets.txt" ] && ! cargo test --manifest-path "$MANIFEST" --profile "$PROFILE" "${BUILD_ARGS[@]}" --no-run \
+       --message-format=json-render-diagnostics >"$OUT/logs/cargo-test.json" 2>"$BUILD_LOG"; then
+  echo "rdma-test: cargo test --no-run FAILED; last lines of $BUILD_LOG:" >&2
+  tail -n 40 "$BUILD_LOG" >&2
+  exit 1
+fi
+# integration-test artifacts whose target name contains "guest": "name<TAB>executable"
+grep '"reason":"compiler-artifact"' "$OUT/logs/cargo-test.json" | grep '"kind":\["test"\]' \
+  | grep '"executable":"' \
+  | sed -n 's/.*"target":{[^}]*"name":"\([^"]*\)".*"executable":"\([^"]*\)".*/\1\t\2/p' \
+  | awk -F'\t' '$1 ~ /guest/' > "$OUT/logs/tests.tsv" || true
+while IFS=$'\t' read -r name exe; do
+  cp "$exe" "$OUT/bin/$name"
+done < "$OUT/logs/tests.tsv"
+for ex in "${EXAMPLES[@]}"; do
+  say "building example $ex"
+  BUILD_LOG="$OUT/logs/cargo-build.log"
+  if ! cargo build --manifest-path "$MANIFEST" --profile "$PROFILE" --example "$ex" ${FEATURES:+--features "$FEATURES"} \
+         --message-format=json-render-diagnostics >"$OUT/logs/example-$ex.json" 2>>"$BUILD_LOG"; then
+    echo "rdma-test: building example $ex FAILED; last lines of $BUILD_LOG:" >&2
+    tail -n 40 "$BUILD_LOG" >&2
+    exit 1
+  fi
+  mkdir -p "$OUT/examples"
+  exe=$(grep '"reason":"compiler-artifact"' "$OUT/logs/example-$ex.json" | grep '"kind":\["example"\]' \
+          | sed -n 's/.*"executable":"\([^"]*\)".*/\1/p' | tail -n 1)
+  [ -n "$exe" ] || { echo "rdma-test: no executable for example $ex" >&2; exit 1; }
+  cp "$exe" "$OUT/examples/$ex"
+done
+NTESTS=$(ls "$OUT/bin" | wc -l)
+NEX=$( (ls "$OUT/examples" 2>/dev/null || true) | wc -l)
+if [ "$NTESTS" -eq 0 ] && [ "$NEX" -eq 0 ]; then
+  echo "rdma-test: FAILED: no guest test executable found (integration tests named *guest* in: $PACKAGES)" >&2
+  exit 1
+fi
+say "test executables: $(ls "$OUT/bin" | tr '\n' ' ')"
+[ "$NEX" -eq 0 ] || say "examples: $(ls "$OUT/examples" | tr '\n' ' ')"
+
+# ---- 3./4. what runs in the guest
+{
+  echo "RDMA_TEST_PERFTEST=${RDMA_TEST_PERFTEST:-1}"
+  [ -n "${RUST_LOG:-}" ] && printf 'export RUST_LOG=%q\n' "$RUST_LOG"
+} > "$OUT/guest-env.sh"
+cat > "$OUT/guest-tests.sh" <<'GEOF'
+#!/bin/bash
+# runs in the guest, from the share (/mnt/share); written by scripts/rdma-test.sh
+cd /mnt/share
+. ./guest-env.sh
+SUM=/mnt/share/summary.txt; : > "$SUM"
+PASSED=0; FAILED=0; PROBLEMS=0
+note() { echo "$*" | tee -a "$SUM"; }
+now() { date +%s%N; }
+el() { local d=$(( ($(now) - $1) / 1000000 )); printf '%d.%03ds' $((d/1000)) $((d%1000)); }
+
+# devices: both must be up
+declare -A IP=([rxe0]=10.99.0.1 [siw0]=10.99.1.1)
+DEVS=()
+for d in rxe0 siw0; do
+  if [ -e "/sys/class/infiniband/$d" ]; then DEVS+=("$d")
+  else note "FAIL: RDMA device $d did not come up"; PROBLEMS=$((PROBLEMS+1)); fi
+done
+[ ${#DEVS[@]} -gt 0 ] || note "FAIL: no RDMA device came up"
+
+# tests and examples, on every device
+for d in "${DEVS[@]}"; do
+  for kind in bin examples; do
+    [ -d "$kind" ] || continue
+    for exe in "$kind"/*; do
+      [ -x "$exe" ] || continue
+      name=$(basename "$exe"); log="logs/$name-$d.log"; t=$(now)
+      echo "=================== $name on $d (${IP[$d]})"
+      args=(); [ "$kind" = bin ] && args=(--test-threads=1 --nocapture)
+      RUST_BACKTRACE=1 RDMA_RPC_TEST_DEVICE=$d RDMA_RPC_TEST_IP=${IP[$d]} \
+        timeout 900 "./$exe" "${args[@]}" > "$log" 2>&1
+      rc=$?
+      cat "$log"
+      if [ "$kind" = bin ]; then
+        p=$(sed -n 's/^test result: .* \([0-9]*\) passed; \([0-9]*\) failed.*/\1/p' "$log" | awk '{s+=$1} END {print s+0}')
+        f=$(sed -n 's/^test result: .* \([0-9]*\) passed; \([0-9]*\) failed.*/\2/p' "$log" | awk '{s+=$1} END {print s+0}')
+        [ "$p" -eq 0 ] && [ "$f" -eq 0 ] && [ $rc = 0 ] && { f=1; echo "(no test ran)"; }
+      else
+        p=0; f=0; if [ $rc = 0 ]; then p=1; else f=1; fi
+      fi
+      [ $rc != 0 ] && [ "$f" -eq 0 ] && f=1
+      PASSED=$((PASSED+p)); FAILED=$((FAILED+f))
+      note "$( [ $rc = 0 ] && echo PASS || echo "FAIL (exit $rc)" ): $name on device $d: $p passed, $f failed, $(el $t)"
+      grep -oE 'device [a-z0-9_]+: .*' "$log" | sed 's/^/    /' >> "$SUM"
+      # the names of failed tests (the second "failures:" list of libtest)
+      awk '/^failures:$/ {n++; next} n == 2 && /^    [A-Za-z_][A-Za-z0-9_:]*$/ {print "    failed: " $1}' "$log" >> "$SUM"
+    done
+  done
+done
+
+# perftest reference figures (same guest, same devices)
+perf() { # perf DEV TOOL ARGS... : server + client on DEV's address; summary line of the client's figures
+  local d=$1 tool=$2; shift 2
+  local ip=${IP[$d]} slog=logs/perf-$tool-$d-server.log clog=logs/perf-$tool-$d.log i t=$(now)
+  timeout 120 "$tool" -d "$d" "$@" > "$slog" 2>&1 & local sp=$!
+  for i in $(seq 100); do
+    if [[ " $* " == *" -R "* ]]; then rdma resource show cm_id 2>/dev/null | grep -q LISTEN && break
+    else ss -ltn 2>/dev/null | grep -q ':18515 ' && break; fi
+    sleep 0.1
+  done
+  timeout 90 "$tool" -d "$d" "$@" "$ip" > "$clog" 2>&1; local crc=$?
+  for i in $(seq 50); do kill -0 $sp 2>/dev/null || break; sleep 0.2; done
+  kill $sp 2>/dev/null; wait $sp 2>/dev/null
+  local row; row=$(grep -E '^ *[0-9]+ +[0-9]+ +[0-9.]+' "$clog" | tail -n 1)
+  if [ $crc != 0 ] || [ -z "$row" ]; then
+    note "perftest $d $tool $*: FAILED (exit $crc, no figures; see logs/${clog##*/})"; tail -n 3 "$clog"; return
+  fi
+  set -- $row
+  case $tool in
+    ib_send_lat) note "perftest $d $tool ${1} B: typical $5 us, avg $6 us, 99% $8 us ($(el $t))" ;;
+    *) note "perftest $d $tool ${1} B x $2: average $4 MB/s, peak $3 MB/s ($(el $t))" ;;
+  esac
+}
+if [ "${RDMA_TEST_PERFTEST:-1}" = 1 ]; then
+  for d in "${DEVS[@]}"; do
+    if [ "$d" = siw0 ]; then CM=(-R); else CM=(-x 1); fi   # iWARP needs rdma_cm
+    perf "$d" ib_send_lat "${CM[@]}" -n 1000 -F
+    perf "$d" ib_write_bw "${CM[@]}" -n 2000 -F
+    perf "$d" ib_read_bw "${CM[@]}" -n 2000 -F
+  done
+fi
+
+if [ $FAILED -gt 0 ] || [ $PROBLEMS -gt 0 ]; then
+  echo "===== dmesg (rdma related)"; dmesg | grep -i -E 'rxe|siw|rdma|infiniband' | tail -n 20
+fi
+echo "$PASSED $FAILED $PROBLEMS" > /mnt/share/counts
+[ $FAILED = 0 ] && [ $PROBLEMS = 0 ] && [ $PASSED -gt 0 ]
+GEOF
+chmod +x "$OUT/guest-tests.sh"
+
+say "booting the guest (TCG) to run them on rxe0 and siw0"
+set +e
+bash "$VM/run-guest.sh" --share "$OUT" --timeout "${RDMA_TEST_TIMEOUT:-2400}" -- bash guest-tests.sh
+rc=$?
+set -e
+
+echo
+echo "===================== rdma-test summary ====================="
+cat "$OUT/summary.txt" 2>/dev/null || echo "(no summary: the guest did not get that far)"
+read -r PASSED FAILED PROBLEMS < "$OUT/counts" 2>/dev/null || { PASSED=0; FAILED=0; PROBLEMS=1; }
+[ "$rc" = 0 ] || [ "$FAILED" -gt 0 ] || [ "$PROBLEMS" -gt 0 ] || FAILED=1
+say "guest exit status $rc; logs in $OUT/logs"
+echo "rdma-test: $PASSED passed, $FAILED failed"
+exit "$rc"

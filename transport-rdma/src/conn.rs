@@ -1,0 +1,1085 @@
+//! Connections over rdma_cm: setup (active and passive), the completion driver, SEND/RECV of
+//! small messages through registered slots, and one-sided RDMA WRITE/READ of registered buffers.
+
+use std::collections::HashMap;
+use std::net::SocketAddr;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use tokio::io::unix::AsyncFd;
+use tokio::sync::{mpsc, oneshot, Semaphore};
+use tokio::task::JoinHandle;
+
+use crate::cm::CmDispatcher;
+use crate::error::RdmaError;
+use crate::verbs::{
+    self, CmEvent, CmEventKind, CmId, CmQpState, Cq, Qp, QpCaps, Region, RemoteAddr, Transport, Wc,
+    WrKind,
+};
+use crate::{RdmaOptions, TransportKind};
+
+fn kind_of(t: Transport) -> TransportKind {
+    match t {
+        Transport::InfiniBand => TransportKind::InfiniBand,
+        Transport::IWarp => TransportKind::IWarp,
+        Transport::Other => TransportKind::Other,
+    }
+}
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+/// Waits for the next event on an id's route, with a deadline.
+async fn next_cm_event(
+    rx: &mut mpsc::UnboundedReceiver<CmEvent>,
+    deadline: Instant,
+    what: &str,
+) -> Result<CmEvent, RdmaError> {
+    match tokio::time::timeout_at(deadline.into(), rx.recv()).await {
+        Ok(Some(ev)) => Ok(ev),
+        Ok(None) => Err(RdmaError::Connect(format!(
+            "rdma_cm event channel closed while waiting for {what}"
+        ))),
+        Err(_) => Err(RdmaError::Timeout(format!("waiting for {what}"))),
+    }
+}
+
+fn unexpected(ev: &CmEvent, what: &str) -> RdmaError {
+    let errno = std::io::Error::from_raw_os_error(ev.status.abs());
+    match ev.kind {
+        CmEventKind::AddrError
+            if ev.status.abs() == libc::ENODEV || ev.status.abs() == libc::EADDRNOTAVAIL =>
+        {
+            RdmaError::Unavailable(format!("no RDMA device serves this address ({errno})"))
+        }
+        _ => RdmaError::Connect(format!(
+            "{:?} (status {}: {errno}) while waiting for {what}",
+            ev.kind, ev.status
+        )),
+    }
+}
+
+/// Everything one connection's verbs objects need, plus the completion bookkeeping.
+struct Shared {
+    qp: Arc<Qp>,
+    cq: Arc<Cq>,
+    /// held while polling the CQ and dispatching, so completions are delivered in order
+    poll_lock: Mutex<Vec<Wc>>,
+    recv_tx: mpsc::UnboundedSender<RecvEvent>,
+    busy_poll: Duration,
+    state: Mutex<State>,
+    send_pool: Mutex<Vec<Arc<Region>>>,
+    send_permits: Arc<Semaphore>,
+    slot_size: usize,
+}
+
+#[derive(Default)]
+struct State {
+    waiters: HashMap<u64, oneshot::Sender<Result<(), RdmaError>>>,
+    /// set once the connection is unusable: why
+    closed: Option<String>,
+    /// set by the first real failure (an error completion other than a flush, a driver error):
+    /// flushed receives are then an error, not the end of the stream
+    failed: Option<String>,
+    /// the peer disconnected (or we did): flushed receives mean end of stream
+    disconnected: bool,
+}
+
+impl Shared {
+    /// Polls the CQ and dispatches what it finds, unless another task is doing it (then 0).
+    /// `Err` when polling failed (the connection is then failed).
+    fn poll_once(&self, wait: bool) -> Result<usize, RdmaError> {
+        let mut wcs = if wait {
+            lock(&self.poll_lock)
+        } else {
+            match self.poll_lock.try_lock() {
+                Ok(g) => g,
+                Err(std::sync::TryLockError::Poisoned(p)) => p.into_inner(),
+                Err(std::sync::TryLockError::WouldBlock) => return Ok(0),
+            }
+        };
+        wcs.clear();
+        let n = match self.cq.poll(&mut wcs, 64) {
+            Ok(n) => n,
+            Err(e) => {
+                fail_all(self, &format!("{e}"));
+                return Err(e);
+            }
+        };
+        if n > 0 {
+            dispatch(self, &wcs);
+        }
+        Ok(n)
+    }
+
+    /// Busy-polls the CQ inline (no task switch) until `done` or `busy_poll` elapsed.
+    async fn spin_until(&self, mut done: impl FnMut() -> bool) {
+        if self.busy_poll.is_zero() {
+            return;
+        }
+        let start = Instant::now();
+        while !done() {
+            if self.poll_once(false).is_err() || start.elapsed() >= self.busy_poll {
+                return;
+            }
+            // let other tasks of this runtime run (an in-process peer, say)
+            tokio::task::yield_now().await;
+        }
+    }
+
+    fn close(&self, why: &str) {
+        let mut st = lock(&self.state);
+        if st.closed.is_none() {
+            st.closed = Some(why.to_string());
+        }
+    }
+}
+
+enum RecvEvent {
+    Data(Arc<Region>, usize),
+    /// a receive failed; `flushed`: only because the QP went to the error state
+    Failed {
+        err: RdmaError,
+        flushed: bool,
+    },
+    /// the connection was disconnected (by either side): end of stream
+    Eof,
+}
+
+/// A connected RDMA reliable connection (RC queue pair set up with rdma_cm).
+pub struct RdmaConnection {
+    shared: Arc<Shared>,
+    recv_rx: tokio::sync::Mutex<mpsc::UnboundedReceiver<RecvEvent>>,
+    id: CmId,
+    driver: JoinHandle<()>,
+    device_name: String,
+    transport: TransportKind,
+    recv_slots: usize,
+    send_slots: usize,
+    _cm: Arc<CmDispatcher>,
+}
+
+impl std::fmt::Debug for RdmaConnection {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RdmaConnection")
+            .field("device", &self.device_name)
+            .field("transport", &self.transport)
+            .field("qp_num", &self.shared.qp.qp_num())
+            .finish()
+    }
+}
+
+/// What both sides do once the id is bound to a device: CQ, QP (INIT), receives posted.
+struct Prepared {
+    qp: Arc<Qp>,
+    cq: Arc<Cq>,
+    recv_slots: Vec<u64>,
+}
+
+fn prepare(id: &CmId, opts: &RdmaOptions) -> Result<Prepared, RdmaError> {
+    let device = id.device()?;
+    let recv_slots = opts.recv_slots.max(1);
+    let send_slots = opts.send_slots.max(1);
+    // +8 for one-sided operations beyond the send slots
+    let max_send_wr = (send_slots + 8) as u32;
+    let cq = Cq::new(&device, (recv_slots + send_slots + 8) as u32 * 2)?;
+    let qp = Qp::new(
+        &device,
+        &cq,
+        QpCaps {
+            max_send_wr,
+            max_recv_wr: recv_slots as u32,
+        },
+    )?;
+    id.modify_qp(&qp, CmQpState::Init, false)?;
+    // receives are posted before connect/accept: on iWARP a SEND that finds no receive kills
+    // the connection
+    let mut posted = Vec::with_capacity(recv_slots);
+    for _ in 0..recv_slots {
+        let region = Region::new(&device, opts.slot_size)?;
+        posted.push(qp.post_recv(&region, 0, region.len())?);
+    }
+    Ok(Prepared {
+        qp,
+        cq,
+        recv_slots: posted,
+    })
+}
+
+fn check_device(prepared: &Prepared, opts: &RdmaOptions) -> Result<(), RdmaError> {
+    match &opts.device {
+        Some(want) if want != prepared.qp.device().name() => Err(RdmaError::Connect(format!(
+            "the connection runs on device {}, not on the requested {want}",
+            prepared.qp.device().name()
+        ))),
+        _ => Ok(()),
+    }
+}
+
+impl RdmaConnection {
+    /// Connects to an RDMA listener at `addr` (an IP address of the peer's RDMA device).
+    pub async fn connect(addr: SocketAddr, opts: RdmaOptions) -> Result<RdmaConnection, RdmaError> {
+        // "no RDMA here" must be an error before anything else
+        crate::devices()?;
+        let deadline = Instant::now() + opts.connect_timeout;
+        let cm = CmDispatcher::start()?;
+        let id = cm.channel().create_id()?;
+        let (tx, mut rx) = mpsc::unbounded_channel();
+        id.set_route(tx);
+        id.resolve_addr(addr, opts.connect_timeout)?;
+        let ev = next_cm_event(&mut rx, deadline, "address resolution").await?;
+        if ev.kind != CmEventKind::AddrResolved {
+            return Err(unexpected(&ev, "address resolution"));
+        }
+        id.resolve_route(opts.connect_timeout)?;
+        let ev = next_cm_event(&mut rx, deadline, "route resolution").await?;
+        if ev.kind != CmEventKind::RouteResolved {
+            return Err(unexpected(&ev, "route resolution"));
+        }
+        let prepared = prepare(&id, &opts)?;
+        id.connect(&prepared.qp)?;
+        let ev = next_cm_event(&mut rx, deadline, "the connection to be accepted").await?;
+        match ev.kind {
+            // InfiniBand/RoCE: we move the QP to RTR/RTS and send the RTU
+            CmEventKind::ConnectResponse => {
+                id.modify_qp(&prepared.qp, CmQpState::ReadyToReceive, false)?;
+                id.modify_qp(&prepared.qp, CmQpState::ReadyToSend, false)?;
+                id.establish()?;
+            }
+            // iWARP: the provider's connection manager moved the QP to RTS
+            CmEventKind::Established => {}
+            _ => return Err(unexpected(&ev, "the connection to be accepted")),
+        }
+        check_device(&prepared, &opts)?;
+        Self::start(id, cm, prepared, rx, &opts)
+    }
+
+    fn start(
+        id: CmId,
+        cm: Arc<CmDispatcher>,
+        prepared: Prepared,
+        cm_rx: mpsc::UnboundedReceiver<CmEvent>,
+        opts: &RdmaOptions,
+    ) -> Result<RdmaConnection, RdmaError> {
+        let Prepared { qp, cq, recv_slots } = prepared;
+        let device_name = qp.device().name().to_string();
+        let transport = kind_of(qp.device().transport());
+        let send_slots = opts.send_slots.max(1);
+        let (recv_tx, recv_rx) = mpsc::unbounded_channel();
+        let shared = Arc::new(Shared {
+            qp,
+            cq: Arc::clone(&cq),
+            poll_lock: Mutex::new(Vec::with_capacity(64)),
+            recv_tx,
+            busy_poll: opts.busy_poll,
+            state: Mutex::new(State::default()),
+            send_pool: Mutex::new(Vec::with_capacity(send_slots)),
+            send_permits: Arc::new(Semaphore::new(send_slots)),
+            slot_size: opts.slot_size,
+        });
+        let afd = verbs::async_fd(cq)?;
+        tracing::debug!(
+            "transport-rdma: connected on {device_name} ({transport:?}), qp {}, {} receives posted",
+            shared.qp.qp_num(),
+            recv_slots.len()
+        );
+        let driver = tokio::spawn(drive(Arc::clone(&shared), afd, cm_rx));
+        Ok(RdmaConnection {
+            shared,
+            recv_rx: tokio::sync::Mutex::new(recv_rx),
+            id,
+            driver,
+            device_name,
+            transport,
+            recv_slots: recv_slots.len(),
+            send_slots,
+            _cm: cm,
+        })
+    }
+
+    /// The name of the RDMA device the connection runs on (e.g. `rxe0`, `siw0`).
+    pub fn device_name(&self) -> &str {
+        &self.device_name
+    }
+
+    /// The transport family of that device.
+    pub fn transport(&self) -> TransportKind {
+        self.transport
+    }
+
+    /// How many SENDs can be in flight at once (see [`RdmaConnection::start_send`]).
+    pub fn send_slots(&self) -> usize {
+        self.send_slots
+    }
+
+    /// How many receive slots this side posted (and keeps posted).
+    pub fn recv_slots(&self) -> usize {
+        self.recv_slots
+    }
+
+    /// Whether the connection was closed (by either side) or failed.
+    pub fn is_closed(&self) -> bool {
+        self.check_open().is_err()
+    }
+
+    /// The largest message [`RdmaConnection::send`] takes (the receive slot size).
+    pub fn max_message_size(&self) -> usize {
+        self.shared.slot_size
+    }
+
+    fn check_open(&self) -> Result<(), RdmaError> {
+        match &lock(&self.shared.state).closed {
+            Some(why) => Err(RdmaError::Closed(Some(why.clone()))),
+            None => Ok(()),
+        }
+    }
+
+    /// Posts a signaled work request (under the state lock, so its completion cannot be
+    /// dispatched before the waiter is registered) and waits for its completion.
+    async fn post_and_wait(
+        &self,
+        op: impl FnOnce(&Qp) -> Result<u64, RdmaError>,
+    ) -> Result<(), RdmaError> {
+        let rx = post(&self.shared, op)?;
+        wait_completion(&self.shared, rx).await
+    }
+
+    /// Sends one message (at most [`RdmaConnection::max_message_size`] bytes) with a SEND into
+    /// one of the peer's posted receive slots; returns when the SEND completed locally.
+    pub async fn send(&self, msg: &[u8]) -> Result<(), RdmaError> {
+        self.start_send(msg).await?.wait().await
+    }
+
+    /// Posts a SEND of `msg` (waiting only for a free send slot) and returns at once; await
+    /// [`SendCompletion::wait`] for its completion. SENDs posted one after another arrive in
+    /// that order, so several can be in flight.
+    pub async fn start_send(&self, msg: &[u8]) -> Result<SendCompletion, RdmaError> {
+        if msg.len() > self.shared.slot_size {
+            return Err(RdmaError::InvalidArgument(format!(
+                "message of {} bytes exceeds the {}-byte slot",
+                msg.len(),
+                self.shared.slot_size
+            )));
+        }
+        self.check_open()?;
+        let permit = Arc::clone(&self.shared.send_permits)
+            .acquire_owned()
+            .await
+            .map_err(|_| RdmaError::Closed(None))?;
+        let pooled = lock(&self.shared.send_pool).pop();
+        let mut slot = match pooled {
+            Some(s) => s,
+            None => Region::new(self.shared.qp.device(), self.shared.slot_size)?,
+        };
+        let bytes = Region::bytes_mut(&mut slot).ok_or(RdmaError::BufferBusy)?;
+        bytes[..msg.len()].copy_from_slice(msg);
+        let rx = post(&self.shared, |qp| qp.post_send(&slot, 0, msg.len()))?;
+        Ok(SendCompletion {
+            rx,
+            slot,
+            shared: Arc::clone(&self.shared),
+            _permit: permit,
+        })
+    }
+
+    /// Receives the next message; `Ok(None)` once the peer disconnected.
+    pub async fn recv(&self) -> Result<Option<Vec<u8>>, RdmaError> {
+        let mut rx = self.recv_rx.lock().await;
+        if rx.is_empty() && lock(&self.shared.state).disconnected {
+            return Ok(None);
+        }
+        let mut early = None;
+        self.shared
+            .spin_until(|| match rx.try_recv() {
+                Ok(ev) => {
+                    early = Some(Some(ev));
+                    true
+                }
+                Err(mpsc::error::TryRecvError::Empty) => false,
+                Err(mpsc::error::TryRecvError::Disconnected) => {
+                    early = Some(None);
+                    true
+                }
+            })
+            .await;
+        let ev = match early {
+            Some(ev) => ev,
+            None => rx.recv().await,
+        };
+        let Some(ev) = ev else { return Ok(None) };
+        match ev {
+            RecvEvent::Data(mut region, len) => {
+                let data = Region::bytes(&mut region)
+                    .ok_or(RdmaError::BufferBusy)?
+                    .get(..len)
+                    .ok_or_else(|| {
+                        RdmaError::InvalidArgument("completion longer than its slot".into())
+                    })?
+                    .to_vec();
+                // give the slot back to the device
+                if self.check_open().is_ok() {
+                    if let Err(e) = self.shared.qp.post_recv(&region, 0, region.len()) {
+                        self.shared
+                            .close(&format!("re-posting a receive failed: {e}"));
+                    }
+                }
+                Ok(Some(data))
+            }
+            RecvEvent::Eof => Ok(None),
+            RecvEvent::Failed { err, flushed } => {
+                // A disconnect moves the QP to the error state, which flushes the posted
+                // receives (on iWARP even before the DISCONNECTED event arrives): that is the
+                // end of the stream, unless a real failure came first.
+                let st = lock(&self.shared.state);
+                if (flushed || st.disconnected) && st.failed.is_none() {
+                    Ok(None)
+                } else {
+                    Err(err)
+                }
+            }
+        }
+    }
+
+    /// Allocates a buffer registered on this connection's device.
+    pub fn alloc_buffer(&self, len: usize) -> Result<RdmaBuffer, RdmaError> {
+        Ok(RdmaBuffer {
+            region: Region::new(self.shared.qp.device(), len)?,
+        })
+    }
+
+    fn remote(token: &RemoteToken, off: u64, len: usize) -> Result<RemoteAddr, RdmaError> {
+        match off.checked_add(len as u64) {
+            Some(end) if end <= token.len => Ok(RemoteAddr {
+                addr: token.addr + off,
+                rkey: token.rkey,
+            }),
+            _ => Err(RdmaError::InvalidArgument(format!(
+                "remote range {off}+{len} outside the peer's {}-byte buffer",
+                token.len
+            ))),
+        }
+    }
+
+    /// RDMA WRITE of `src[src_off..src_off+len]` into the peer's exposed buffer at `dst_off`.
+    /// The peer sees no completion: tell it with a message (on iWARP there is no write-with-imm).
+    pub async fn write(
+        &self,
+        src: &mut RdmaBuffer,
+        src_off: usize,
+        dst: &RemoteToken,
+        dst_off: u64,
+        len: usize,
+    ) -> Result<(), RdmaError> {
+        let remote = Self::remote(dst, dst_off, len)?;
+        let region = &src.region;
+        self.post_and_wait(|qp| qp.post_write(region, src_off, len, remote))
+            .await
+    }
+
+    /// RDMA READ of `len` bytes of the peer's exposed buffer at `src_off` into
+    /// `dst[dst_off..dst_off+len]`.
+    pub async fn read(
+        &self,
+        dst: &mut RdmaBuffer,
+        dst_off: usize,
+        src: &RemoteToken,
+        src_off: u64,
+        len: usize,
+    ) -> Result<(), RdmaError> {
+        let remote = Self::remote(src, src_off, len)?;
+        let region = &dst.region;
+        self.post_and_wait(|qp| qp.post_read(region, dst_off, len, remote))
+            .await
+    }
+
+    /// Disconnects (the peer's `recv` returns `None`); pending operations fail.
+    pub fn close(&self) {
+        {
+            let mut st = lock(&self.shared.state);
+            st.disconnected = true;
+            if st.closed.is_none() {
+                st.closed = Some("closed locally".into());
+            }
+        }
+        let _ = self.shared.recv_tx.send(RecvEvent::Eof);
+        if let Err(e) = self.id.disconnect() {
+            tracing::debug!("transport-rdma: {e}");
+        }
+        if let Err(e) = self.shared.qp.set_error() {
+            tracing::debug!("transport-rdma: {e}");
+        }
+    }
+}
+
+impl Drop for RdmaConnection {
+    fn drop(&mut self) {
+        self.close();
+        // The driver holds the QP and CQ; aborting it lets them go. Buffers of work requests
+        // still posted are released only when the QP is destroyed (see verbs.rs).
+        self.driver.abort();
+    }
+}
+
+/// Posts a signaled work request (under the state lock, so its completion cannot be dispatched
+/// before the waiter is registered); returns where its completion will be reported.
+fn post(
+    shared: &Shared,
+    op: impl FnOnce(&Qp) -> Result<u64, RdmaError>,
+) -> Result<oneshot::Receiver<Result<(), RdmaError>>, RdmaError> {
+    let mut st = lock(&shared.state);
+    if let Some(why) = &st.closed {
+        return Err(RdmaError::Closed(Some(why.clone())));
+    }
+    let wr_id = op(&shared.qp)?;
+    let (tx, rx) = oneshot::channel();
+    st.waiters.insert(wr_id, tx);
+    Ok(rx)
+}
+
+/// Waits for a posted work request's completion, busy-polling inline first.
+async fn wait_completion(
+    shared: &Shared,
+    mut rx: oneshot::Receiver<Result<(), RdmaError>>,
+) -> Result<(), RdmaError> {
+    let mut early = None;
+    shared
+        .spin_until(|| match rx.try_recv() {
+            Ok(r) => {
+                early = Some(r);
+                true
+            }
+            Err(oneshot::error::TryRecvError::Empty) => false,
+            Err(oneshot::error::TryRecvError::Closed) => true,
+        })
+        .await;
+    if let Some(r) = early {
+        return r;
+    }
+    rx.await
+        .unwrap_or_else(|_| Err(RdmaError::Closed(Some("completion driver stopped".into()))))
+}
+
+/// A posted SEND (see [`RdmaConnection::start_send`]). Dropping it without waiting is fine: the
+/// slot stays reserved until the device is done with it.
+pub struct SendCompletion {
+    rx: oneshot::Receiver<Result<(), RdmaError>>,
+    slot: Arc<Region>,
+    shared: Arc<Shared>,
+    _permit: tokio::sync::OwnedSemaphorePermit,
+}
+
+impl std::fmt::Debug for SendCompletion {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("SendCompletion").finish_non_exhaustive()
+    }
+}
+
+impl SendCompletion {
+    /// Waits until the SEND completed locally (on a reliable connection: the peer has it).
+    pub async fn wait(self) -> Result<(), RdmaError> {
+        let SendCompletion {
+            rx,
+            slot,
+            shared,
+            _permit,
+        } = self;
+        let res = wait_completion(&shared, rx).await;
+        if res.is_ok() {
+            lock(&shared.send_pool).push(slot);
+        }
+        res
+    }
+}
+
+/// The completion driver of one connection: drains the CQ, arms it and sleeps on the
+/// completion channel's fd (tasks waiting for a completion busy-poll inline first, see
+/// `Shared::spin_until`); also handles the id's rdma_cm events.
+async fn drive(
+    shared: Arc<Shared>,
+    afd: AsyncFd<verbs::FdOwner<Cq>>,
+    mut cm_rx: mpsc::UnboundedReceiver<CmEvent>,
+) {
+    let cq = Arc::clone(&afd.get_ref().0);
+    let mut cm_open = true;
+    loop {
+        match shared.poll_once(true) {
+            Ok(0) => {}
+            Ok(_) => continue,
+            Err(_) => return,
+        }
+        if let Err(e) = cq.arm() {
+            fail_all(&shared, &format!("{e}"));
+            return;
+        }
+        // a completion that arrived before arming raises no event: poll once more
+        match shared.poll_once(true) {
+            Ok(0) => {}
+            Ok(_) => continue,
+            Err(_) => return,
+        }
+        tokio::select! {
+            ready = afd.readable() => match ready {
+                Ok(mut guard) => {
+                    if let Err(e) = cq.drain_events() {
+                        tracing::warn!("transport-rdma: {e}");
+                    }
+                    guard.clear_ready();
+                },
+                Err(e) => {
+                    fail_all(&shared, &format!("completion channel poll failed: {e}"));
+                    return;
+                },
+            },
+            ev = cm_rx.recv(), if cm_open => match ev {
+                Some(ev) => on_cm_event(&shared, ev),
+                None => cm_open = false,
+            },
+        }
+    }
+}
+
+fn on_cm_event(shared: &Shared, ev: CmEvent) {
+    match ev.kind {
+        CmEventKind::Disconnected | CmEventKind::DeviceRemoval => {
+            tracing::debug!("transport-rdma: {:?} on qp {}", ev.kind, shared.qp.qp_num());
+            {
+                let mut st = lock(&shared.state);
+                st.disconnected = true;
+                if st.closed.is_none() {
+                    st.closed = Some(format!("{:?}", ev.kind).to_lowercase());
+                }
+            }
+            // Deliver what already arrived first: the rdma_cm event travels apart from the
+            // data, so messages the peer sent (and saw completed) before disconnecting may
+            // still sit in our CQ.
+            while matches!(shared.poll_once(true), Ok(n) if n > 0) {}
+            let _ = shared.recv_tx.send(RecvEvent::Eof);
+            // flush what is posted: waiters fail
+            if let Err(e) = shared.qp.set_error() {
+                tracing::debug!("transport-rdma: {e}");
+            }
+        }
+        _ => tracing::debug!(
+            "transport-rdma: rdma_cm event {:?} on an established connection",
+            ev.kind
+        ),
+    }
+}
+
+fn dispatch(shared: &Shared, wcs: &[Wc]) {
+    for wc in wcs {
+        let region = shared.qp.retire(wc.wr_id);
+        let op = match wc.kind {
+            WrKind::Recv => "RECV",
+            WrKind::Send => "SEND",
+            WrKind::Write => "RDMA WRITE",
+            WrKind::Read => "RDMA READ",
+            WrKind::Unknown => "unknown operation",
+        };
+        if !wc.ok() {
+            let why = format!("{op}: {}", wc.status_str());
+            if wc.is_flush() {
+                tracing::debug!("transport-rdma: {why}");
+            } else {
+                tracing::warn!("transport-rdma: {why}");
+            }
+            shared.close(&why);
+            if !wc.is_flush() {
+                lock(&shared.state).failed.get_or_insert(why);
+            }
+        }
+        match wc.kind {
+            WrKind::Recv => {
+                let ev = match (wc.ok(), region) {
+                    (true, Some(r)) => RecvEvent::Data(r, wc.byte_len as usize),
+                    (true, None) => RecvEvent::Failed {
+                        err: RdmaError::Completion {
+                            op,
+                            status: "completion for an unknown receive".into(),
+                        },
+                        flushed: false,
+                    },
+                    (false, _) => RecvEvent::Failed {
+                        err: RdmaError::Completion {
+                            op,
+                            status: wc.status_str(),
+                        },
+                        flushed: wc.is_flush(),
+                    },
+                };
+                let _ = shared.recv_tx.send(ev);
+            }
+            _ => {
+                // release the buffer before waking the waiter, which may touch it at once
+                drop(region);
+                let waiter = lock(&shared.state).waiters.remove(&wc.wr_id);
+                if let Some(w) = waiter {
+                    let res = if wc.ok() {
+                        Ok(())
+                    } else {
+                        Err(RdmaError::Completion {
+                            op,
+                            status: wc.status_str(),
+                        })
+                    };
+                    let _ = w.send(res);
+                }
+            }
+        }
+    }
+}
+
+fn fail_all(shared: &Shared, why: &str) {
+    tracing::error!("transport-rdma: completion driver stopped: {why}");
+    shared.close(why);
+    lock(&shared.state)
+        .failed
+        .get_or_insert_with(|| why.to_string());
+    let waiters: Vec<_> = lock(&shared.state)
+        .waiters
+        .drain()
+        .map(|(_, w)| w)
+        .collect();
+    for w in waiters {
+        let _ = w.send(Err(RdmaError::Closed(Some(why.to_string()))));
+    }
+    let _ = shared.recv_tx.send(RecvEvent::Failed {
+        err: RdmaError::Closed(Some(why.to_string())),
+        flushed: false,
+    });
+}
+
+/// Accepts RDMA connections (an rdma_cm id listening on an address).
+pub struct RdmaListener {
+    id: CmId,
+    rx: tokio::sync::Mutex<mpsc::UnboundedReceiver<CmEvent>>,
+    cm: Arc<CmDispatcher>,
+    opts: RdmaOptions,
+    addr: SocketAddr,
+}
+
+impl std::fmt::Debug for RdmaListener {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RdmaListener")
+            .field("addr", &self.addr)
+            .finish()
+    }
+}
+
+impl RdmaListener {
+    /// Listens on `addr` (an IP address of an RDMA device, or the unspecified address).
+    /// Port 0 picks a free port (read it back with [`RdmaListener::local_addr`]).
+    pub fn bind(addr: SocketAddr, opts: RdmaOptions) -> Result<RdmaListener, RdmaError> {
+        // "no RDMA here" must be an error before anything else
+        crate::devices()?;
+        let cm = CmDispatcher::start()?;
+        // rdma_cm's port space is its own (not the kernel's TCP ports), and the port it would
+        // pick for port 0 cannot be read back through sideway: pick one ourselves.
+        let candidates: Vec<u16> = if addr.port() == 0 {
+            let seed = std::process::id() as u64
+                ^ Instant::now().elapsed().as_nanos() as u64
+                ^ std::time::SystemTime::now()
+                    .duration_since(std::time::UNIX_EPOCH)
+                    .map(|d| d.as_nanos() as u64)
+                    .unwrap_or(0);
+            (0..64u64)
+                .map(|i| {
+                    40_000
+                        + ((seed
+                            .wrapping_mul(6_364_136_223_846_793_005)
+                            .wrapping_add(i * 7_919))
+                            >> 33) as u16
+                            % 20_000
+                })
+                .collect()
+        } else {
+            vec![addr.port()]
+        };
+        let mut last = None;
+        for port in candidates {
+            let at = SocketAddr::new(addr.ip(), port);
+            let id = cm.channel().create_id()?;
+            let (tx, rx) = mpsc::unbounded_channel();
+            id.set_route(tx);
+            match id.bind(at).and_then(|()| id.listen(128)) {
+                Ok(()) => {
+                    return Ok(RdmaListener {
+                        id,
+                        rx: tokio::sync::Mutex::new(rx),
+                        cm,
+                        opts,
+                        addr: at,
+                    })
+                }
+                Err(e) => last = Some(e),
+            }
+        }
+        Err(last.unwrap_or_else(|| RdmaError::InvalidArgument("no port to bind".into())))
+    }
+
+    /// The address it listens on (with the port picked for port 0).
+    pub fn local_addr(&self) -> SocketAddr {
+        self.addr
+    }
+
+    /// Waits for the next connection request and accepts it
+    /// ([`RdmaListener::next_request`] then [`PendingConnection::establish`]).
+    pub async fn accept(&self) -> Result<RdmaConnection, RdmaError> {
+        self.next_request().await?.establish().await
+    }
+
+    /// Waits for the next connection request, without answering it yet: a server can finish
+    /// the set-up ([`PendingConnection::establish`]) in the connection's own task, so a slow
+    /// or silent peer holds up nobody else. Dropping the request rejects it.
+    pub async fn next_request(&self) -> Result<PendingConnection, RdmaError> {
+        let mut rx = self.rx.lock().await;
+        loop {
+            let ev = rx
+                .recv()
+                .await
+                .ok_or_else(|| RdmaError::Closed(Some("listener channel closed".into())))?;
+            if ev.kind != CmEventKind::ConnectRequest {
+                tracing::debug!("transport-rdma: listener got {:?}", ev.kind);
+                continue;
+            }
+            let Some(id) = ev.id else { continue };
+            let (tx, rx) = mpsc::unbounded_channel();
+            id.set_route(tx);
+            return Ok(PendingConnection {
+                id,
+                rx,
+                cm: Arc::clone(&self.cm),
+                opts: self.opts.clone(),
+            });
+        }
+    }
+}
+
+/// A connection request received by an [`RdmaListener`], not answered yet.
+pub struct PendingConnection {
+    id: CmId,
+    rx: mpsc::UnboundedReceiver<CmEvent>,
+    cm: Arc<CmDispatcher>,
+    opts: RdmaOptions,
+}
+
+impl std::fmt::Debug for PendingConnection {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("PendingConnection").finish_non_exhaustive()
+    }
+}
+
+impl PendingConnection {
+    /// Sets up the queue pair (receives posted first), accepts, and waits for the connection
+    /// to be established (at most the options' `connect_timeout`).
+    pub async fn establish(self) -> Result<RdmaConnection, RdmaError> {
+        let PendingConnection {
+            id,
+            mut rx,
+            cm,
+            opts,
+        } = self;
+        let deadline = Instant::now() + opts.connect_timeout;
+        let prepared = prepare(&id, &opts)?;
+        if prepared.qp.device().transport() != Transport::IWarp {
+            // InfiniBand/RoCE: RTR and RTS before accepting; on iWARP the provider does it
+            id.modify_qp(&prepared.qp, CmQpState::ReadyToReceive, true)?;
+            id.modify_qp(&prepared.qp, CmQpState::ReadyToSend, true)?;
+        }
+        id.accept(&prepared.qp)?;
+        let ev = next_cm_event(&mut rx, deadline, "the connection to be established").await?;
+        if ev.kind != CmEventKind::Established {
+            return Err(unexpected(&ev, "the connection to be established"));
+        }
+        check_device(&prepared, &opts)?;
+        RdmaConnection::start(id, cm, prepared, rx, &opts)
+    }
+}
+
+impl Drop for RdmaListener {
+    fn drop(&mut self) {
+        // the id is destroyed with its last clone: no more connection requests
+        tracing::trace!("transport-rdma: listener on {} closed", self.addr);
+        let _ = &self.id;
+    }
+}
+
+/// Memory registered with an RDMA device (allocated by [`RdmaConnection::alloc_buffer`]).
+/// Its bytes are accessible only while no RDMA operation uses it and it is not exposed.
+pub struct RdmaBuffer {
+    region: Arc<Region>,
+}
+
+impl std::fmt::Debug for RdmaBuffer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RdmaBuffer")
+            .field("len", &self.region.len())
+            .finish()
+    }
+}
+
+/// What the peer may do with an exposed buffer.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RemoteAccess {
+    /// RDMA READ
+    Read,
+    /// RDMA WRITE
+    Write,
+    /// both
+    ReadWrite,
+}
+
+impl RdmaBuffer {
+    /// The length in bytes.
+    pub fn len(&self) -> usize {
+        self.region.len()
+    }
+
+    /// Whether the buffer is empty (never: empty buffers cannot be registered).
+    pub fn is_empty(&self) -> bool {
+        self.region.len() == 0
+    }
+
+    /// The bytes; [`RdmaError::BufferBusy`] while an operation or an exposure uses the buffer.
+    pub fn bytes(&mut self) -> Result<&[u8], RdmaError> {
+        Region::bytes(&mut self.region).ok_or(RdmaError::BufferBusy)
+    }
+
+    /// The bytes, mutably, under the same condition as [`RdmaBuffer::bytes`].
+    pub fn bytes_mut(&mut self) -> Result<&mut [u8], RdmaError> {
+        Region::bytes_mut(&mut self.region).ok_or(RdmaError::BufferBusy)
+    }
+
+    /// Turns the buffer into read-only bytes (e.g. for `Payload::from_owner`), if no operation
+    /// and no exposure uses it; otherwise gives it back.
+    pub fn freeze(self) -> Result<FrozenBuffer, RdmaBuffer> {
+        Region::freeze(self.region)
+            .map(|inner| FrozenBuffer { inner })
+            .map_err(|region| RdmaBuffer { region })
+    }
+
+    /// Lets the peer access the whole buffer until the returned exposure is dropped (the
+    /// registration is then revoked in hardware). Local access waits for that drop.
+    pub fn expose(&self, access: RemoteAccess) -> Result<RemoteExposure, RdmaError> {
+        let (r, w) = match access {
+            RemoteAccess::Read => (true, false),
+            RemoteAccess::Write => (false, true),
+            RemoteAccess::ReadWrite => (true, true),
+        };
+        Ok(RemoteExposure {
+            inner: Region::expose(&self.region, r, w)?,
+        })
+    }
+}
+
+/// A registered buffer nothing else can reach any more: read-only bytes.
+pub struct FrozenBuffer {
+    inner: verbs::Frozen,
+}
+
+impl AsRef<[u8]> for FrozenBuffer {
+    fn as_ref(&self) -> &[u8] {
+        self.inner.as_ref()
+    }
+}
+
+impl std::fmt::Debug for FrozenBuffer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("FrozenBuffer")
+            .field("len", &self.as_ref().len())
+            .finish()
+    }
+}
+
+/// A buffer exposed to the peer; give it [`RemoteExposure::token`].
+pub struct RemoteExposure {
+    inner: verbs::Exposure,
+}
+
+impl std::fmt::Debug for RemoteExposure {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RemoteExposure")
+            .field("token", &self.token())
+            .finish()
+    }
+}
+
+impl RemoteExposure {
+    /// What the peer needs to address the buffer.
+    pub fn token(&self) -> RemoteToken {
+        RemoteToken {
+            addr: self.inner.addr(),
+            len: self.inner.len() as u64,
+            rkey: self.inner.rkey(),
+        }
+    }
+}
+
+/// The address, length and remote key of a peer's exposed buffer (20 bytes on the wire).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RemoteToken {
+    /// the buffer's address in the peer's memory
+    pub addr: u64,
+    /// its length
+    pub len: u64,
+    /// the remote key
+    pub rkey: u32,
+}
+
+impl RemoteToken {
+    /// Encoded size.
+    pub const LEN: usize = 20;
+
+    /// Little-endian encoding: addr, len, rkey.
+    pub fn to_bytes(&self) -> [u8; Self::LEN] {
+        let mut b = [0u8; Self::LEN];
+        b[..8].copy_from_slice(&self.addr.to_le_bytes());
+        b[8..16].copy_from_slice(&self.len.to_le_bytes());
+        b[16..].copy_from_slice(&self.rkey.to_le_bytes());
+        b
+    }
+
+    /// Decodes [`RemoteToken::to_bytes`]; `None` if `b` is too short.
+    pub fn from_bytes(b: &[u8]) -> Option<RemoteToken> {
+        if b.len() < Self::LEN {
+            return None;
+        }
+        Some(RemoteToken {
+            addr: u64::from_le_bytes(b[..8].try_into().ok()?),
+            len: u64::from_le_bytes(b[8..16].try_into().ok()?),
+            rkey: u32::from_le_bytes(b[16..20].try_into().ok()?),
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn remote_token_round_trip() {
+        let t = RemoteToken {
+            addr: 0x1122_3344_5566_7788,
+            len: 4 << 20,
+            rkey: 0xdead_beef,
+        };
+        let b = t.to_bytes();
+        assert_eq!(b.len(), RemoteToken::LEN);
+        assert_eq!(RemoteToken::from_bytes(&b), Some(t));
+        assert_eq!(RemoteToken::from_bytes(&b[..19]), None);
+    }
+
+    #[test]
+    fn remote_range_is_checked() {
+        let t = RemoteToken {
+            addr: 1000,
+            len: 100,
+            rkey: 7,
+        };
+        let r = RdmaConnection::remote(&t, 10, 90).unwrap();
+        assert_eq!((r.addr, r.rkey), (1010, 7));
+        assert!(RdmaConnection::remote(&t, 10, 91).is_err());
+        assert!(RdmaConnection::remote(&t, u64::MAX, 1).is_err());
+    }
+}

@@ -1,0 +1,701 @@
+//! rdma-rpc's RDMA transport: [`rpc_core::Transport`] and [`rpc_core::Listener`] over an
+//! [`RdmaConnection`], speaking [`rpc_core::rendezvous`]'s packet protocol.
+//!
+//! - Every packet is one SEND into one of the peer's posted receive slots; [`Credits`] keep a
+//!   sender from overrunning them (no RNR retries, and no iWARP TERMINATE for a SEND that
+//!   finds no receive). Credits ride on every packet; a pure credit return goes when half the
+//!   window is owed.
+//! - A message whose whole frame fits the eager threshold (and a slot) goes in one SEND.
+//! - Larger ones go by receiver-pull rendezvous: the sender copies each attachment into a
+//!   registered buffer, exposes it for RDMA READ and sends `PullRts` with the inline part; the
+//!   receiver RDMA-READs every segment into registered buffers, delivers the message with those
+//!   buffers as its [`Payload`]s (no further copy) and sends `Fin`, on which the sender revokes
+//!   the exposure and frees its buffers.
+//!
+//! - SENDs are pipelined (up to [`RdmaOptions::send_slots`] in flight); a transport whose two
+//!   halves are dropped first sends what it accepted and waits for the peer's `Fin`s (at most
+//!   10 s), then disconnects.
+//! - An accepted connection is answered in [`rpc_core::Transport::establish`], in the
+//!   connection's own task: a silent peer holds up no other.
+//!
+//! Both sides must use the same [`RdmaOptions::recv_slots`] and [`RdmaOptions::slot_size`].
+//!
+//! Not done yet: registered buffer pools (buffers are registered per transfer, and eager
+//! messages are copied out of their slot), sender-push rendezvous (a peer's `PushRts` is
+//! refused), RDMA READs of one message in parallel.
+
+use std::io;
+use std::net::SocketAddr;
+use std::pin::Pin;
+use std::sync::{Arc, Mutex};
+use std::task::{Context, Poll};
+
+use bytes::{Bytes, BytesMut};
+use futures::channel::mpsc as fmpsc;
+use futures::{SinkExt, Stream, StreamExt};
+use rpc_core::rendezvous::{refuse, Credits, Direction, Packet, Plan, Segment, Transfers};
+use rpc_core::wire::{Limits, Message};
+use rpc_core::{Config, Payload};
+use tokio::sync::{mpsc, Notify};
+
+use crate::conn::PendingConnection;
+use crate::{
+    RdmaBuffer, RdmaConnection, RdmaError, RdmaListener, RdmaOptions, RemoteAccess, RemoteExposure,
+    RemoteToken, SendCompletion,
+};
+
+fn to_io(e: RdmaError) -> io::Error {
+    let kind = match &e {
+        RdmaError::Unavailable(_) => io::ErrorKind::Unsupported,
+        RdmaError::Closed(_) => io::ErrorKind::ConnectionReset,
+        RdmaError::Connect(_) => io::ErrorKind::ConnectionRefused,
+        RdmaError::Timeout(_) => io::ErrorKind::TimedOut,
+        RdmaError::InvalidArgument(_) => io::ErrorKind::InvalidInput,
+        _ => io::ErrorKind::Other,
+    };
+    io::Error::new(kind, e)
+}
+
+/// The options a transport actually uses: slots big enough for the config's eager messages.
+fn effective(opts: &RdmaOptions, config: &Config) -> RdmaOptions {
+    let mut o = opts.clone();
+    o.recv_slots = o.recv_slots.max(4);
+    o.connect_timeout = config.connect_timeout;
+    o
+}
+
+impl RdmaOptions {
+    /// The defaults with an `rdma://` endpoint's transport options applied: `device=NAME`,
+    /// `busy_poll=0|1` (off, or the default spin), `busy_poll_us=N`, `recv_slots=N`,
+    /// `slot_size=N` (both sides must agree on the last two). Other options are ignored.
+    pub fn from_endpoint(ep: &rpc_core::Endpoint) -> Result<RdmaOptions, RdmaError> {
+        let mut o = RdmaOptions::default();
+        let num = |k: &str, v: &str| {
+            v.parse::<u64>().map_err(|_| {
+                RdmaError::InvalidArgument(format!("endpoint option {k}={v}: not a number"))
+            })
+        };
+        for (k, v) in ep.options() {
+            match k {
+                "device" => o.device = Some(v.to_string()),
+                "busy_poll" => match v {
+                    "0" | "false" | "off" => o.busy_poll = std::time::Duration::ZERO,
+                    "1" | "true" | "on" | "" => {}
+                    _ => {
+                        return Err(RdmaError::InvalidArgument(format!(
+                            "endpoint option busy_poll={v}: use 0 or 1"
+                        )))
+                    }
+                },
+                "busy_poll_us" => o.busy_poll = std::time::Duration::from_micros(num(k, v)?),
+                "recv_slots" => o.recv_slots = num(k, v)? as usize,
+                "slot_size" => o.slot_size = num(k, v)? as usize,
+                _ => {}
+            }
+        }
+        Ok(o)
+    }
+}
+
+/// Resolves an endpoint's `HOST:PORT` to a socket address (the first one found).
+pub async fn resolve(ep: &rpc_core::Endpoint) -> Result<SocketAddr, RdmaError> {
+    let authority = ep.authority();
+    let mut addrs = tokio::net::lookup_host(authority.clone())
+        .await
+        .map_err(|e| RdmaError::Connect(format!("cannot resolve {authority}: {e}")))?;
+    addrs
+        .next()
+        .ok_or_else(|| RdmaError::Connect(format!("{authority} resolves to no address")))
+}
+
+/// One RDMA connection carrying rdma-rpc messages.
+pub struct RdmaTransport {
+    state: State,
+    config: Config,
+    peer: String,
+}
+
+enum State {
+    /// accepted by a listener; [`rpc_core::Transport::establish`] completes it
+    Pending(PendingConnection),
+    Ready(RdmaConnection),
+}
+
+impl std::fmt::Debug for RdmaTransport {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RdmaTransport")
+            .field("device", &self.device_name())
+            .field("peer", &self.peer)
+            .finish()
+    }
+}
+
+impl RdmaTransport {
+    /// Connects to an rdma-rpc server listening on `addr` (an IP address of its RDMA device).
+    pub async fn connect(
+        addr: SocketAddr,
+        config: Config,
+        opts: RdmaOptions,
+    ) -> Result<RdmaTransport, RdmaError> {
+        let conn = RdmaConnection::connect(addr, effective(&opts, &config)).await?;
+        Ok(RdmaTransport::new(conn, config, addr.to_string()))
+    }
+
+    /// Connects to an `rdma://HOST:PORT[?options]` endpoint (see [`RdmaOptions::from_endpoint`]).
+    pub async fn connect_endpoint(
+        ep: &rpc_core::Endpoint,
+        config: Config,
+    ) -> Result<RdmaTransport, RdmaError> {
+        let opts = RdmaOptions::from_endpoint(ep)?;
+        let addr = resolve(ep).await?;
+        RdmaTransport::connect(addr, config, opts).await
+    }
+
+    /// Wraps an established connection.
+    pub fn new(conn: RdmaConnection, config: Config, peer: String) -> RdmaTransport {
+        let peer = format!("{peer} via {}", conn.device_name());
+        RdmaTransport {
+            state: State::Ready(conn),
+            config,
+            peer,
+        }
+    }
+
+    /// The RDMA device the connection runs on ("" until an accepted one is established).
+    pub fn device_name(&self) -> &str {
+        match &self.state {
+            State::Ready(c) => c.device_name(),
+            State::Pending(_) => "",
+        }
+    }
+}
+
+impl rpc_core::Transport for RdmaTransport {
+    type Reader = RdmaReader;
+    type Writer = RdmaWriter;
+
+    fn split(self) -> (RdmaReader, RdmaWriter) {
+        let conn = match self.state {
+            State::Ready(c) => c,
+            State::Pending(_) => {
+                // establish() was not called: a programming error, reported as a dead connection
+                tracing::error!(
+                    "transport-rdma: split() of an accepted connection before establish()"
+                );
+                let (_, in_rx) = fmpsc::channel(1);
+                let (msg_tx, _) = fmpsc::channel(1);
+                return (
+                    RdmaReader {
+                        rx: in_rx,
+                        _close: None,
+                    },
+                    RdmaWriter {
+                        tx: msg_tx,
+                        _close: None,
+                    },
+                );
+            }
+        };
+        let slots = conn.recv_slots() as u32;
+        let (ctl_tx, ctl_rx) = mpsc::unbounded_channel();
+        let engine = Arc::new(Engine {
+            slot: conn.max_message_size(),
+            conn,
+            proto: Mutex::new(Proto {
+                credits: Credits::new(slots),
+                transfers: Transfers::new(),
+            }),
+            credit_changed: Notify::new(),
+            ctl_tx,
+            limits: self.config.limits(),
+            eager_threshold: self.config.eager_threshold,
+        });
+        let (msg_tx, msg_rx) = fmpsc::channel(64);
+        let (in_tx, in_rx) = fmpsc::channel(64);
+        tokio::spawn(receive_loop(Arc::clone(&engine), in_tx));
+        tokio::spawn(send_loop(Arc::clone(&engine), msg_rx, ctl_rx));
+        let closer = Arc::new(CloseOnDrop(engine));
+        (
+            RdmaReader {
+                rx: in_rx,
+                _close: Some(Arc::clone(&closer)),
+            },
+            RdmaWriter {
+                tx: msg_tx,
+                _close: Some(closer),
+            },
+        )
+    }
+
+    fn peer(&self) -> String {
+        self.peer.clone()
+    }
+
+    async fn establish(self) -> io::Result<RdmaTransport> {
+        match self.state {
+            State::Ready(_) => Ok(self),
+            State::Pending(p) => {
+                let conn = p.establish().await.map_err(to_io)?;
+                let peer = format!("{} via {}", self.peer, conn.device_name());
+                Ok(RdmaTransport {
+                    state: State::Ready(conn),
+                    config: self.config,
+                    peer,
+                })
+            }
+        }
+    }
+}
+
+/// Receiving half of an [`RdmaTransport`].
+pub struct RdmaReader {
+    rx: fmpsc::Receiver<io::Result<Message>>,
+    _close: Option<Arc<CloseOnDrop>>,
+}
+
+impl Stream for RdmaReader {
+    type Item = io::Result<Message>;
+
+    fn poll_next(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Self::Item>> {
+        self.rx.poll_next_unpin(cx)
+    }
+}
+
+/// Sending half of an [`RdmaTransport`].
+pub struct RdmaWriter {
+    tx: fmpsc::Sender<Message>,
+    _close: Option<Arc<CloseOnDrop>>,
+}
+
+fn closed_pipe(_: fmpsc::SendError) -> io::Error {
+    io::Error::new(io::ErrorKind::BrokenPipe, "RDMA connection closed")
+}
+
+impl futures::Sink<Message> for RdmaWriter {
+    type Error = io::Error;
+
+    fn poll_ready(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        self.tx.poll_ready(cx).map_err(closed_pipe)
+    }
+
+    fn start_send(mut self: Pin<&mut Self>, item: Message) -> io::Result<()> {
+        self.tx.start_send(item).map_err(closed_pipe)
+    }
+
+    fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        self.tx.poll_flush_unpin(cx).map_err(closed_pipe)
+    }
+
+    fn poll_close(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        self.tx.poll_close_unpin(cx).map_err(closed_pipe)
+    }
+}
+
+/// When both halves are gone: finish sending what was accepted (and let the peer read our
+/// exposed buffers), then close the connection; see `send_loop`.
+struct CloseOnDrop(Arc<Engine>);
+
+impl Drop for CloseOnDrop {
+    fn drop(&mut self) {
+        if self.0.ctl_tx.send(Ctl::Drain).is_err() {
+            self.0.shutdown();
+        }
+    }
+}
+
+/// How long a closed transport waits for its last messages to go and the peer's last `Fin`s.
+const DRAIN_LIMIT: std::time::Duration = std::time::Duration::from_secs(10);
+
+/// Buffers of one of our pull transfers, held until the peer's `Fin` (or the connection's end).
+struct Held {
+    // drop order: revoke the peer's access, then free the memory
+    _exposure: Option<RemoteExposure>,
+    _buf: Option<RdmaBuffer>,
+}
+
+struct Proto {
+    credits: Credits,
+    transfers: Transfers<Held>,
+}
+
+enum Ctl {
+    Fin(u64),
+    Refuse(u64, u32),
+    Credit,
+    /// both halves were dropped: close once everything accepted went out
+    Drain,
+    /// something a drain waits for may have changed
+    Recheck,
+    Shutdown,
+}
+
+struct Engine {
+    conn: RdmaConnection,
+    proto: Mutex<Proto>,
+    credit_changed: Notify,
+    ctl_tx: mpsc::UnboundedSender<Ctl>,
+    limits: Limits,
+    eager_threshold: usize,
+    slot: usize,
+}
+
+fn lock(m: &Mutex<Proto>) -> std::sync::MutexGuard<'_, Proto> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+impl Engine {
+    fn shutdown(&self) {
+        self.conn.close();
+        let _ = self.ctl_tx.send(Ctl::Shutdown);
+        self.credit_changed.notify_waiters();
+    }
+
+    /// Sends one packet once credits allow it (`data`: needs two credits, else one).
+    async fn send_packet(
+        &self,
+        data: bool,
+        encode: impl FnOnce(&mut BytesMut, u16),
+    ) -> Result<SendCompletion, RdmaError> {
+        let mut encode = Some(encode);
+        loop {
+            let notified = self.credit_changed.notified();
+            tokio::pin!(notified);
+            notified.as_mut().enable();
+            let out = {
+                let mut p = lock(&self.proto);
+                let ok = if data {
+                    p.credits.can_send()
+                } else {
+                    p.credits.available() >= 1
+                };
+                if ok {
+                    let credits = p.credits.take().unwrap_or(0);
+                    let mut out = BytesMut::with_capacity(256);
+                    if let Some(f) = encode.take() {
+                        f(&mut out, credits);
+                    }
+                    Some(out)
+                } else {
+                    None
+                }
+            };
+            if let Some(out) = out {
+                return self.conn.start_send(&out).await;
+            }
+            if self.conn.is_closed() {
+                return Err(RdmaError::Closed(Some("waiting for send credits".into())));
+            }
+            notified.await;
+        }
+    }
+
+    /// Sends `msg`: eager, or receiver-pull rendezvous of its attachments.
+    async fn send_message(&self, msg: Message) -> Result<SendCompletion, RdmaError> {
+        let plan = Plan::for_message(&msg, self.slot, self.eager_threshold, Direction::Pull)
+            .map_err(|e| RdmaError::InvalidArgument(e.to_string()))?;
+        match plan {
+            Plan::Eager => {
+                self.send_packet(true, |out, c| Packet::encode_eager(out, c, &msg))
+                    .await
+            }
+            Plan::Rendezvous(_) => {
+                let mut held = Vec::with_capacity(msg.attachments.len());
+                let mut segments = Vec::with_capacity(msg.attachments.len());
+                for a in &msg.attachments {
+                    if a.is_empty() {
+                        segments.push(Segment {
+                            addr: 0,
+                            len: 0,
+                            rkey: 0,
+                        });
+                        held.push(Held {
+                            _exposure: None,
+                            _buf: None,
+                        });
+                        continue;
+                    }
+                    let mut buf = self.conn.alloc_buffer(a.len())?;
+                    buf.bytes_mut()?.copy_from_slice(a);
+                    let exposure = buf.expose(RemoteAccess::Read)?;
+                    let t = exposure.token();
+                    segments.push(Segment {
+                        addr: t.addr,
+                        len: t.len,
+                        rkey: t.rkey,
+                    });
+                    held.push(Held {
+                        _exposure: Some(exposure),
+                        _buf: Some(buf),
+                    });
+                }
+                let id = lock(&self.proto).transfers.start_pull(held);
+                self.send_packet(true, |out, c| {
+                    Packet::encode_pull_rts(out, c, id, &msg, &segments)
+                })
+                .await
+            }
+        }
+    }
+
+    /// Reads the peer's segments into registered buffers: the payloads of the message.
+    async fn pull(&self, segments: &[Segment]) -> Result<Vec<Payload>, RdmaError> {
+        let mut out = Vec::with_capacity(segments.len());
+        for s in segments {
+            if s.len == 0 {
+                out.push(Payload::new());
+                continue;
+            }
+            let len = usize::try_from(s.len)
+                .map_err(|_| RdmaError::InvalidArgument("segment too large".into()))?;
+            let mut buf = self.conn.alloc_buffer(len)?;
+            let token = RemoteToken {
+                addr: s.addr,
+                len: s.len,
+                rkey: s.rkey,
+            };
+            self.conn.read(&mut buf, 0, &token, 0, len).await?;
+            let frozen = buf.freeze().map_err(|_| RdmaError::BufferBusy)?;
+            out.push(Payload::from_owner(frozen));
+        }
+        Ok(out)
+    }
+}
+
+fn violation(v: rpc_core::rendezvous::ProtocolViolation) -> io::Error {
+    io::Error::new(io::ErrorKind::InvalidData, v)
+}
+
+/// Receives packets: credits, deliveries, rendezvous reads, transfer bookkeeping.
+async fn receive_loop(engine: Arc<Engine>, mut deliver: fmpsc::Sender<io::Result<Message>>) {
+    let end: Option<io::Error> = loop {
+        let data = match engine.conn.recv().await {
+            Ok(Some(d)) => d,
+            Ok(None) => break None,
+            Err(e) => break Some(to_io(e)),
+        };
+        let (packet, credits) = match Packet::parse(Bytes::from(data), &engine.limits) {
+            Ok(x) => x,
+            Err(v) => break Some(violation(v)),
+        };
+        {
+            let mut p = lock(&engine.proto);
+            if let Err(v) = p.credits.on_receive(credits) {
+                break Some(violation(v));
+            }
+            // RdmaConnection::recv reposted the slot already
+            p.credits.on_slot_reposted();
+            if p.credits.should_return() {
+                let _ = engine.ctl_tx.send(Ctl::Credit);
+            }
+        }
+        engine.credit_changed.notify_waiters();
+        match packet {
+            Packet::Eager(msg) => {
+                // a dropped reader still lets control packets through
+                let _ = deliver.send(Ok(msg)).await;
+            }
+            Packet::PullRts { id, head, segments } => match engine.pull(&segments).await {
+                Ok(payloads) => {
+                    let _ = engine.ctl_tx.send(Ctl::Fin(id));
+                    let _ = deliver.send(Ok(head.into_message(payloads))).await;
+                }
+                Err(e) => break Some(to_io(e)),
+            },
+            Packet::Fin { id } => match lock(&engine.proto).transfers.on_fin(id) {
+                // dropping the buffers revokes the peer's access and frees them
+                Ok(bufs) => {
+                    drop(bufs);
+                    let _ = engine.ctl_tx.send(Ctl::Recheck);
+                }
+                Err(v) => break Some(violation(v)),
+            },
+            Packet::Refuse { id, reason } => match lock(&engine.proto).transfers.on_refuse(id) {
+                Ok(bufs) => {
+                    drop(bufs);
+                    tracing::warn!("transport-rdma: peer refused transfer {id} (reason {reason}); message dropped");
+                }
+                Err(v) => break Some(violation(v)),
+            },
+            Packet::PushRts { id, .. } => {
+                let _ = engine.ctl_tx.send(Ctl::Refuse(id, refuse::NO_BUFFERS));
+            }
+            Packet::Cts { id, .. } | Packet::PushDone { id } => {
+                break Some(violation(
+                    rpc_core::rendezvous::ProtocolViolation::UnknownTransfer(id),
+                ));
+            }
+            Packet::Credit => {}
+        }
+    };
+    if let Some(e) = end {
+        tracing::debug!("transport-rdma: connection ends: {e}");
+        let _ = deliver.send(Err(e)).await;
+    }
+    engine.shutdown();
+    // the connection is closed (QP in the error state): the device no longer reads our
+    // exposed buffers, so they may go
+    drop(lock(&engine.proto).transfers.drain());
+}
+
+/// Sends messages from the writer and control packets from the receive loop. After a drain
+/// request it closes the connection once the writer's messages are sent and the peer has read
+/// every exposed buffer (or after `DRAIN_LIMIT`).
+async fn send_loop(
+    engine: Arc<Engine>,
+    mut msgs: fmpsc::Receiver<Message>,
+    mut ctl: mpsc::UnboundedReceiver<Ctl>,
+) {
+    let mut msgs_open = true;
+    let mut drain_deadline: Option<tokio::time::Instant> = None;
+    // SENDs posted and not yet completed: several in flight (they arrive in posting order);
+    // at most `send_slots`, so posting never waits for a slot that only this loop frees
+    let mut pending = futures::stream::FuturesUnordered::new();
+    let max_pending = engine.conn.send_slots().max(1);
+    loop {
+        while pending.len() >= max_pending {
+            if let Some(Err(e)) = pending.next().await {
+                tracing::debug!("transport-rdma: send failed, closing the connection: {e}");
+                engine.shutdown();
+                return;
+            }
+        }
+        if drain_deadline.is_some()
+            && !msgs_open
+            && ctl.is_empty()
+            && pending.is_empty()
+            && lock(&engine.proto).transfers.is_empty()
+        {
+            engine.shutdown();
+            return;
+        }
+        enum Item {
+            Ctl(Ctl),
+            Msg(Message),
+        }
+        let deadline = drain_deadline.unwrap_or_else(tokio::time::Instant::now);
+        let item = tokio::select! {
+            biased;
+            Some(done) = pending.next(), if !pending.is_empty() => {
+                if let Err(e) = done {
+                    tracing::debug!("transport-rdma: send failed, closing the connection: {e}");
+                    engine.shutdown();
+                    return;
+                }
+                continue;
+            },
+            c = ctl.recv() => match c {
+                Some(c) => Item::Ctl(c),
+                None => return,
+            },
+            m = msgs.next(), if msgs_open => match m {
+                Some(m) => Item::Msg(m),
+                None => {
+                    msgs_open = false;
+                    continue;
+                },
+            },
+            () = tokio::time::sleep_until(deadline), if drain_deadline.is_some() => {
+                tracing::debug!("transport-rdma: drain took longer than {DRAIN_LIMIT:?}; closing");
+                engine.shutdown();
+                return;
+            },
+        };
+        let res = match item {
+            Item::Ctl(Ctl::Shutdown) => return,
+            Item::Ctl(Ctl::Drain) => {
+                drain_deadline = Some(tokio::time::Instant::now() + DRAIN_LIMIT);
+                continue;
+            }
+            Item::Ctl(Ctl::Recheck) => continue,
+            Item::Ctl(Ctl::Credit) => {
+                if !lock(&engine.proto).credits.should_return() {
+                    continue;
+                }
+                engine
+                    .send_packet(false, |out, c| {
+                        Packet::encode_control(out, c, &Packet::Credit)
+                    })
+                    .await
+            }
+            Item::Ctl(Ctl::Fin(id)) => {
+                engine
+                    .send_packet(true, |out, c| {
+                        Packet::encode_control(out, c, &Packet::Fin { id })
+                    })
+                    .await
+            }
+            Item::Ctl(Ctl::Refuse(id, reason)) => {
+                engine
+                    .send_packet(true, |out, c| {
+                        Packet::encode_control(out, c, &Packet::Refuse { id, reason })
+                    })
+                    .await
+            }
+            Item::Msg(m) => engine.send_message(m).await,
+        };
+        match res {
+            Ok(done) => pending.push(done.wait()),
+            Err(e) => {
+                tracing::debug!("transport-rdma: send failed, closing the connection: {e}");
+                engine.shutdown();
+                return;
+            }
+        }
+    }
+}
+
+/// Accepts rdma-rpc connections.
+pub struct RdmaRpcListener {
+    inner: RdmaListener,
+    config: Config,
+}
+
+impl std::fmt::Debug for RdmaRpcListener {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RdmaRpcListener")
+            .field("inner", &self.inner)
+            .finish()
+    }
+}
+
+impl RdmaRpcListener {
+    /// Listens on `addr` (an IP address of an RDMA device). Needs a tokio runtime.
+    pub fn bind(
+        addr: SocketAddr,
+        config: Config,
+        opts: RdmaOptions,
+    ) -> Result<RdmaRpcListener, RdmaError> {
+        let inner = RdmaListener::bind(addr, effective(&opts, &config))?;
+        Ok(RdmaRpcListener { inner, config })
+    }
+
+    /// Listens on an `rdma://HOST:PORT[?options]` endpoint (see [`RdmaOptions::from_endpoint`]).
+    pub async fn bind_endpoint(
+        ep: &rpc_core::Endpoint,
+        config: Config,
+    ) -> Result<RdmaRpcListener, RdmaError> {
+        let opts = RdmaOptions::from_endpoint(ep)?;
+        let addr = resolve(ep).await?;
+        RdmaRpcListener::bind(addr, config, opts)
+    }
+
+    /// The address it listens on.
+    pub fn local_addr(&self) -> SocketAddr {
+        self.inner.local_addr()
+    }
+}
+
+impl rpc_core::Listener for RdmaRpcListener {
+    type Transport = RdmaTransport;
+
+    /// Returns as soon as a connection request arrives; the set-up finishes in
+    /// [`rpc_core::Transport::establish`], in the connection's own task.
+    async fn accept(&mut self) -> io::Result<RdmaTransport> {
+        let pending = self.inner.next_request().await.map_err(to_io)?;
+        Ok(RdmaTransport {
+            state: State::Pending(pending),
+            config: self.config.clone(),
+            peer: "incoming RDMA connection".into(),
+        })
+    }
+}

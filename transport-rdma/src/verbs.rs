@@ -1,0 +1,1044 @@
+//! The only module of this crate with `unsafe` code: it owns every verbs and rdma_cm resource.
+//!
+//! Built on `sideway` (RAII wrappers over libibverbs/librdmacm, which `rdma-mummy-sys` loads with
+//! `dlopen`), plus direct `rdma-mummy-sys` calls where sideway has gaps (arming a CQ, reading and
+//! acknowledging completion-channel events).
+//!
+//! Ownership (children hold an `Arc` of their parents, so drop order is always right):
+//! `CmChannel` <- `CmId`; `Device` (context + PD) <- `Cq` (CQ + completion channel) <- `Qp`;
+//! `Device` <- `Region` (memory owned by this module + its local MR) <- `Exposure` (remote MR).
+//!
+//! Memory soundness rules enforced here (the rest of the crate cannot break them):
+//! * a `Region`'s bytes are reachable from safe code only through `Arc::get_mut`, i.e. when no
+//!   posted work request and no `Exposure` holds a reference to it;
+//! * every posted work request holds an `Arc<Region>` (in `Qp::inflight`) until it is retired
+//!   after its completion was polled, or until the QP is destroyed (after which the device no
+//!   longer touches the memory): memory is never freed or handed out while the device may use it;
+//! * an `Exposure` (a remotely accessible MR) holds the region too; dropping it deregisters the
+//!   MR, which revokes the peer's access in hardware before local access becomes possible again.
+//!
+//! sideway panics on values it does not know (`From<u32>` for event types, transport types, QP
+//! states...). Those conversions are only called through [`guarded`], which turns a panic into
+//! an error value.
+
+use std::collections::HashMap;
+use std::mem::ManuallyDrop;
+use std::net::SocketAddr;
+use std::os::fd::{AsRawFd, RawFd};
+use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::ptr::NonNull;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use sideway::ibverbs::completion::{
+    BasicCompletionQueue, CompletionChannel, CompletionQueue, GenericCompletionQueue,
+};
+use sideway::ibverbs::device::{DeviceInfo, DeviceList, TransportType};
+use sideway::ibverbs::device_context::DeviceContext;
+use sideway::ibverbs::memory_region::MemoryRegion;
+use sideway::ibverbs::protection_domain::ProtectionDomain;
+use sideway::ibverbs::queue_pair::{
+    BasicQueuePair, PostSendGuard, QueuePair, QueuePairAttribute, QueuePairState,
+    SetScatterGatherEntry, WorkRequestFlags,
+};
+use sideway::ibverbs::AccessFlags;
+use sideway::rdmacm::communication_manager::{
+    ConnectionParameter, Event, EventChannel, EventType, GetEventErrorKind, Identifier, PortSpace,
+};
+
+use crate::error::RdmaError;
+
+/// Runs `f`, turning a panic inside sideway (unknown enum value) into an error.
+/// (With `panic = "abort"` nothing can be caught; the values guarded here come from the kernel and
+/// are all known to the rdma-core version we target, so this is a last line of defence.)
+fn guarded<T>(what: &'static str, f: impl FnOnce() -> T) -> Result<T, RdmaError> {
+    catch_unwind(AssertUnwindSafe(f)).map_err(|_| RdmaError::Verbs {
+        op: what,
+        source: "sideway panicked on a value it does not know".into(),
+    })
+}
+
+fn verbs_err<E: std::error::Error + Send + Sync + 'static>(
+    op: &'static str,
+) -> impl FnOnce(E) -> RdmaError {
+    move |e| RdmaError::Verbs {
+        op,
+        source: Box::new(e),
+    }
+}
+
+/// Normalises a verbs return code: providers return a positive errno, siw a negative one.
+fn errno_result(op: &'static str, ret: i32) -> Result<(), RdmaError> {
+    if ret == 0 {
+        Ok(())
+    } else {
+        Err(RdmaError::Verbs {
+            op,
+            source: Box::new(std::io::Error::from_raw_os_error(ret.abs())),
+        })
+    }
+}
+
+/// The transport family of an RDMA device.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Transport {
+    /// InfiniBand or RoCE (Soft-RoCE `rxe` reports this)
+    InfiniBand,
+    /// iWARP (`siw` reports this)
+    IWarp,
+    /// anything else
+    Other,
+}
+
+fn transport_of(t: TransportType) -> Transport {
+    match t {
+        TransportType::InfiniBand => Transport::InfiniBand,
+        TransportType::IWarp => Transport::IWarp,
+        _ => Transport::Other,
+    }
+}
+
+/// Lists the RDMA devices: name and transport. An error when rdma-core cannot be loaded.
+pub(crate) fn list_devices() -> Result<Vec<(String, Transport)>, RdmaError> {
+    let list = DeviceList::new().map_err(|e| {
+        RdmaError::Unavailable(format!(
+            "cannot list RDMA devices (is rdma-core's libibverbs installed?): {e}"
+        ))
+    })?;
+    let mut out = Vec::with_capacity(list.len());
+    for dev in list.iter() {
+        let name = dev.name();
+        let transport = guarded("ibv_device.transport_type", || {
+            transport_of(dev.transport_type())
+        })?;
+        out.push((name, transport));
+    }
+    Ok(out)
+}
+
+// ------------------------------------------------------------------------------------------------
+// rdma_cm
+
+/// An rdma_cm event channel (non-blocking; its fd goes into tokio's reactor).
+pub(crate) struct CmChannel {
+    ch: Arc<EventChannel>,
+}
+
+/// What happened, in this crate's terms (no sideway type leaves this module).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum CmEventKind {
+    AddrResolved,
+    AddrError,
+    RouteResolved,
+    RouteError,
+    ConnectRequest,
+    ConnectResponse,
+    ConnectError,
+    Unreachable,
+    Rejected,
+    Established,
+    Disconnected,
+    DeviceRemoval,
+    TimewaitExit,
+    Other,
+}
+
+fn kind_of(t: EventType) -> CmEventKind {
+    match t {
+        EventType::AddressResolved => CmEventKind::AddrResolved,
+        EventType::AddressError => CmEventKind::AddrError,
+        EventType::RouteResolved => CmEventKind::RouteResolved,
+        EventType::RouteError => CmEventKind::RouteError,
+        EventType::ConnectRequest => CmEventKind::ConnectRequest,
+        EventType::ConnectResponse => CmEventKind::ConnectResponse,
+        EventType::ConnectError => CmEventKind::ConnectError,
+        EventType::Unreachable => CmEventKind::Unreachable,
+        EventType::Rejected => CmEventKind::Rejected,
+        EventType::Established => CmEventKind::Established,
+        EventType::Disconnected => CmEventKind::Disconnected,
+        EventType::DeviceRemoval => CmEventKind::DeviceRemoval,
+        EventType::TimewaitExit => CmEventKind::TimewaitExit,
+        _ => CmEventKind::Other,
+    }
+}
+
+/// An rdma_cm event, already acknowledged (no pointer into librdmacm's event survives).
+pub(crate) struct CmEvent {
+    pub(crate) kind: CmEventKind,
+    pub(crate) status: i32,
+    /// the id the event is about (for `ConnectRequest`: the new id of the incoming connection)
+    pub(crate) id: Option<CmId>,
+    /// for `ConnectRequest`: the listening id
+    pub(crate) listener: Option<CmId>,
+}
+
+/// Where the events of one id are delivered (stored in the id's user context).
+pub(crate) type CmRoute = tokio::sync::mpsc::UnboundedSender<CmEvent>;
+
+impl CmChannel {
+    pub(crate) fn new() -> Result<Arc<CmChannel>, RdmaError> {
+        let ch = EventChannel::new().map_err(|e| {
+            RdmaError::Unavailable(format!(
+                "cannot open an rdma_cm event channel (is librdmacm installed and /dev/infiniband/rdma_cm present?): {e}"
+            ))
+        })?;
+        ch.set_nonblocking(true)
+            .map_err(verbs_err("rdma_cm channel O_NONBLOCK"))?;
+        Ok(Arc::new(CmChannel { ch }))
+    }
+
+    pub(crate) fn create_id(&self) -> Result<CmId, RdmaError> {
+        let id = self
+            .ch
+            .create_id(PortSpace::Tcp)
+            .map_err(verbs_err("rdma_create_id"))?;
+        Ok(CmId { id })
+    }
+
+    /// The next event, or `None` when none is pending. The event is acknowledged before return.
+    pub(crate) fn next_event(&self) -> Result<Option<CmEvent>, RdmaError> {
+        let ev: Event = match self.ch.get_cm_event() {
+            Ok(ev) => ev,
+            Err(e) if matches!(e.0, GetEventErrorKind::NoEvent) => return Ok(None),
+            Err(e) => {
+                return Err(RdmaError::Verbs {
+                    op: "rdma_get_cm_event",
+                    source: Box::new(e),
+                })
+            }
+        };
+        let kind = guarded("rdma_cm_event.event", || kind_of(ev.event_type()));
+        let out = CmEvent {
+            kind: kind.unwrap_or(CmEventKind::Other),
+            status: ev.status(),
+            id: ev.cm_id().map(|id| CmId { id }),
+            listener: ev.listener_id().map(|id| CmId { id }),
+        };
+        if let Err(e) = ev.ack() {
+            tracing::warn!("rdma_ack_cm_event failed: {e}");
+        }
+        Ok(Some(out))
+    }
+}
+
+impl AsRawFd for CmChannel {
+    fn as_raw_fd(&self) -> RawFd {
+        self.ch.as_raw_fd()
+    }
+}
+
+/// An rdma_cm identifier (like a socket). Cheap to clone; destroyed with its last clone.
+#[derive(Clone)]
+pub(crate) struct CmId {
+    id: Arc<Identifier>,
+}
+
+/// Responder resources and initiator depth of every connection (RDMA READs in flight).
+const CM_RESOURCES: u8 = 1;
+
+fn conn_param(qp_num: u32) -> ConnectionParameter {
+    // default(): responder resources 1 / initiator depth 1 (new() sets 0 and RDMA READ breaks),
+    // retry 7, RNR retry 7 (infinite)
+    let mut p = ConnectionParameter::default();
+    p.setup_qp_number(qp_num);
+    p
+}
+
+impl CmId {
+    /// Delivers this id's future events to `route`.
+    pub(crate) fn set_route(&self, route: CmRoute) {
+        self.id.setup_context(route);
+    }
+
+    pub(crate) fn route(&self) -> Option<Arc<CmRoute>> {
+        self.id.get_context::<CmRoute>()
+    }
+
+    pub(crate) fn bind(&self, addr: SocketAddr) -> Result<(), RdmaError> {
+        self.id.bind_addr(addr).map_err(verbs_err("rdma_bind_addr"))
+    }
+
+    pub(crate) fn listen(&self, backlog: i32) -> Result<(), RdmaError> {
+        self.id.listen(backlog).map_err(verbs_err("rdma_listen"))
+    }
+
+    pub(crate) fn resolve_addr(&self, dst: SocketAddr, timeout: Duration) -> Result<(), RdmaError> {
+        let timeout = timeout.min(Duration::from_secs(60));
+        self.id
+            .resolve_addr(None, dst, timeout)
+            .map_err(verbs_err("rdma_resolve_addr"))
+    }
+
+    pub(crate) fn resolve_route(&self, timeout: Duration) -> Result<(), RdmaError> {
+        let timeout = timeout.min(Duration::from_secs(60));
+        self.id
+            .resolve_route(timeout)
+            .map_err(verbs_err("rdma_resolve_route"))
+    }
+
+    pub(crate) fn connect(&self, qp: &Qp) -> Result<(), RdmaError> {
+        self.id
+            .connect(conn_param(qp.qp_num()))
+            .map_err(verbs_err("rdma_connect"))
+    }
+
+    pub(crate) fn accept(&self, qp: &Qp) -> Result<(), RdmaError> {
+        self.id
+            .accept(conn_param(qp.qp_num()))
+            .map_err(verbs_err("rdma_accept"))
+    }
+
+    pub(crate) fn establish(&self) -> Result<(), RdmaError> {
+        self.id.establish().map_err(verbs_err("rdma_establish"))
+    }
+
+    pub(crate) fn disconnect(&self) -> Result<(), RdmaError> {
+        self.id.disconnect().map_err(verbs_err("rdma_disconnect"))
+    }
+
+    /// The device this id is bound to (after bind to a device address, address resolution, or
+    /// for an incoming connection), with a fresh protection domain.
+    pub(crate) fn device(&self) -> Result<Arc<Device>, RdmaError> {
+        let ctx = self.id.get_device_context().ok_or_else(|| {
+            RdmaError::Unavailable("the rdma_cm id is not bound to an RDMA device".into())
+        })?;
+        Device::new(ctx)
+    }
+
+    /// Moves `qp` to `state` with the attributes rdma_cm computes for this connection.
+    /// `passive`: the accepting side (InfiniBand/RoCE only; iWARP's CM moves the QP itself).
+    pub(crate) fn modify_qp(
+        &self,
+        qp: &Qp,
+        state: CmQpState,
+        passive: bool,
+    ) -> Result<(), RdmaError> {
+        let st = match state {
+            CmQpState::Init => QueuePairState::Init,
+            CmQpState::ReadyToReceive => QueuePairState::ReadyToReceive,
+            CmQpState::ReadyToSend => QueuePairState::ReadyToSend,
+        };
+        let mut attr = self
+            .id
+            .get_qp_attr(st)
+            .map_err(verbs_err("rdma_init_qp_attr"))?;
+        // InfiniBand/RoCE: the kernel derives the READ limits and the access flags from what it
+        // knows of the negotiation at that moment; on the passive side RTR/RTS come before
+        // rdma_accept (so 0: no RDMA READ from that side; librdmacm's own rdma_accept sets
+        // them by hand too), and we saw READs rejected as invalid requests on rxe. Set what
+        // `conn_param` promises, on both sides: one READ in flight each way, READ and WRITE
+        // allowed (memory is still guarded by each MR's keys). iWARP's CM moves the QP itself.
+        if qp.device.transport != Transport::IWarp {
+            let remote =
+                AccessFlags::LocalWrite | AccessFlags::RemoteWrite | AccessFlags::RemoteRead;
+            match state {
+                CmQpState::Init => {
+                    attr.setup_access_flags(remote);
+                }
+                CmQpState::ReadyToReceive => {
+                    attr.setup_access_flags(remote);
+                    attr.setup_max_dest_read_atomic(CM_RESOURCES);
+                }
+                CmQpState::ReadyToSend => {
+                    attr.setup_max_read_atomic(CM_RESOURCES);
+                }
+            }
+        }
+        let _ = passive;
+        qp.modify(&attr, "ibv_modify_qp (rdma_cm attributes)")
+    }
+}
+
+/// QP states reached with rdma_cm's attributes.
+#[derive(Debug, Clone, Copy)]
+pub(crate) enum CmQpState {
+    Init,
+    ReadyToReceive,
+    ReadyToSend,
+}
+
+// ------------------------------------------------------------------------------------------------
+// device, CQ, QP
+
+/// An opened device (the context is shared with rdma_cm) and a protection domain on it.
+pub(crate) struct Device {
+    pd: Arc<ProtectionDomain>,
+    ctx: Arc<DeviceContext>,
+    name: String,
+    transport: Transport,
+}
+
+impl Device {
+    fn new(ctx: Arc<DeviceContext>) -> Result<Arc<Device>, RdmaError> {
+        let name = ctx.name();
+        let transport = guarded("ibv_device.transport_type", || {
+            transport_of(ctx.transport_type())
+        })?;
+        let pd = ctx.alloc_pd().map_err(verbs_err("ibv_alloc_pd"))?;
+        Ok(Arc::new(Device {
+            pd,
+            ctx,
+            name,
+            transport,
+        }))
+    }
+
+    pub(crate) fn name(&self) -> &str {
+        &self.name
+    }
+
+    pub(crate) fn transport(&self) -> Transport {
+        self.transport
+    }
+}
+
+/// A completion queue with its own completion channel (non-blocking fd, for tokio's `AsyncFd`).
+pub(crate) struct Cq {
+    // drop order: CQ first (it holds an Arc of the channel too), then the channel
+    cq: Arc<BasicCompletionQueue>,
+    channel: Arc<CompletionChannel>,
+    _device: Arc<Device>,
+}
+
+/// A work completion, decoded.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Wc {
+    pub(crate) wr_id: u64,
+    pub(crate) kind: WrKind,
+    /// 0 = success (IBV_WC_SUCCESS)
+    pub(crate) status: u32,
+    pub(crate) vendor_err: u32,
+    pub(crate) byte_len: u32,
+}
+
+impl Wc {
+    pub(crate) fn ok(&self) -> bool {
+        self.status == rdma_mummy_sys::ibv_wc_status::IBV_WC_SUCCESS
+    }
+
+    pub(crate) fn is_flush(&self) -> bool {
+        self.status == rdma_mummy_sys::ibv_wc_status::IBV_WC_WR_FLUSH_ERR
+    }
+
+    pub(crate) fn status_str(&self) -> String {
+        use rdma_mummy_sys::ibv_wc_status as s;
+        let name = match self.status {
+            s::IBV_WC_SUCCESS => "success",
+            s::IBV_WC_LOC_LEN_ERR => "local length error",
+            s::IBV_WC_LOC_QP_OP_ERR => "local QP operation error",
+            s::IBV_WC_LOC_PROT_ERR => "local protection error",
+            s::IBV_WC_WR_FLUSH_ERR => "work request flushed",
+            s::IBV_WC_BAD_RESP_ERR => "bad response",
+            s::IBV_WC_LOC_ACCESS_ERR => "local access error",
+            s::IBV_WC_REM_INV_REQ_ERR => "remote invalid request",
+            s::IBV_WC_REM_ACCESS_ERR => "remote access error",
+            s::IBV_WC_REM_OP_ERR => "remote operation error",
+            s::IBV_WC_RETRY_EXC_ERR => "transport retry counter exceeded",
+            s::IBV_WC_RNR_RETRY_EXC_ERR => "RNR retry counter exceeded",
+            s::IBV_WC_REM_ABORT_ERR => "remote aborted",
+            s::IBV_WC_FATAL_ERR => "fatal error",
+            s::IBV_WC_RESP_TIMEOUT_ERR => "response timeout",
+            s::IBV_WC_GENERAL_ERR => "general error",
+            _ => "other error",
+        };
+        format!(
+            "{name} (status {}, vendor error {:#x})",
+            self.status, self.vendor_err
+        )
+    }
+}
+
+impl Cq {
+    pub(crate) fn new(device: &Arc<Device>, cqe: u32) -> Result<Arc<Cq>, RdmaError> {
+        let channel = device
+            .ctx
+            .create_comp_channel()
+            .map_err(verbs_err("ibv_create_comp_channel"))?;
+        channel
+            .set_nonblocking(true)
+            .map_err(verbs_err("completion channel O_NONBLOCK"))?;
+        // the basic CQ: the extended one returns garbage on rxe with rdma-core 44, siw refuses it
+        let cq = device
+            .ctx
+            .create_cq_builder()
+            .setup_cqe(cqe)
+            .setup_comp_channel(&channel, 0)
+            .build()
+            .map_err(verbs_err("ibv_create_cq"))?;
+        Ok(Arc::new(Cq {
+            cq,
+            channel,
+            _device: Arc::clone(device),
+        }))
+    }
+
+    /// Polls up to `max` completions into `out`; returns how many.
+    pub(crate) fn poll(&self, out: &mut Vec<Wc>, max: usize) -> Result<usize, RdmaError> {
+        use sideway::ibverbs::completion::PollCompletionQueueError as E;
+        let poller = match self.cq.start_poll() {
+            Ok(p) => p,
+            Err(E::CompletionQueueEmpty) => return Ok(0),
+            Err(e) => {
+                return Err(RdmaError::Verbs {
+                    op: "ibv_poll_cq",
+                    source: Box::new(e),
+                })
+            }
+        };
+        let mut n = 0;
+        for wc in poller {
+            let wr_id = wc.wr_id();
+            out.push(Wc {
+                wr_id,
+                kind: WrKind::of(wr_id),
+                status: wc.status(),
+                vendor_err: wc.vendor_err(),
+                byte_len: wc.byte_len(),
+            });
+            n += 1;
+            if n >= max {
+                break;
+            }
+        }
+        Ok(n)
+    }
+
+    /// Requests an event on the completion channel for the next completion.
+    pub(crate) fn arm(&self) -> Result<(), RdmaError> {
+        // SAFETY: `self.cq` is a live CQ (we hold its Arc for the duration of the call); the
+        // function pointer comes from the provider's ops table filled when the CQ was created.
+        let ret = unsafe { rdma_mummy_sys::ibv_req_notify_cq(self.cq.cq().as_ptr(), 0) };
+        errno_result("ibv_req_notify_cq", ret)
+    }
+
+    /// Reads and acknowledges every pending completion-channel event; returns how many.
+    pub(crate) fn drain_events(&self) -> Result<u32, RdmaError> {
+        let mut n = 0;
+        loop {
+            let mut cq: *mut rdma_mummy_sys::ibv_cq = std::ptr::null_mut();
+            let mut ctx: *mut std::ffi::c_void = std::ptr::null_mut();
+            // SAFETY: the channel is live (we hold its Arc) and its fd is non-blocking, so this
+            // returns at once; `cq` and `ctx` are valid out-pointers to locals.
+            let ret = unsafe {
+                rdma_mummy_sys::ibv_get_cq_event(
+                    self.channel.comp_channel().as_ptr(),
+                    &mut cq,
+                    &mut ctx,
+                )
+            };
+            if ret != 0 {
+                let err = std::io::Error::last_os_error();
+                if err.kind() == std::io::ErrorKind::WouldBlock || n > 0 {
+                    return Ok(n);
+                }
+                return Err(RdmaError::Verbs {
+                    op: "ibv_get_cq_event",
+                    source: Box::new(err),
+                });
+            }
+            // SAFETY: `self.cq` is live (we hold its Arc).
+            let ours = unsafe { self.cq.cq().as_ptr() };
+            debug_assert_eq!(cq, ours, "completion channel is dedicated to one CQ");
+            if !cq.is_null() {
+                // SAFETY: `cq` was just returned by ibv_get_cq_event for this channel, which only
+                // this (live) CQ uses; acknowledging at once keeps ibv_destroy_cq from blocking.
+                unsafe { rdma_mummy_sys::ibv_ack_cq_events(cq, 1) };
+            }
+            n += 1;
+        }
+    }
+}
+
+impl AsRawFd for Cq {
+    fn as_raw_fd(&self) -> RawFd {
+        self.channel.as_raw_fd()
+    }
+}
+
+/// What a work request did; encoded in the top byte of its `wr_id`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum WrKind {
+    Recv,
+    Send,
+    Write,
+    Read,
+    Unknown,
+}
+
+impl WrKind {
+    fn tag(self) -> u64 {
+        match self {
+            WrKind::Recv => 1,
+            WrKind::Send => 2,
+            WrKind::Write => 3,
+            WrKind::Read => 4,
+            WrKind::Unknown => 0,
+        }
+    }
+
+    fn of(wr_id: u64) -> WrKind {
+        match wr_id >> 56 {
+            1 => WrKind::Recv,
+            2 => WrKind::Send,
+            3 => WrKind::Write,
+            4 => WrKind::Read,
+            _ => WrKind::Unknown,
+        }
+    }
+}
+
+/// Where a one-sided operation goes in the peer's memory.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct RemoteAddr {
+    pub(crate) addr: u64,
+    pub(crate) rkey: u32,
+}
+
+struct InFlight {
+    // drop order: a per-operation MR (iWARP read sink) before the memory it covers
+    _mr: Option<Arc<MemoryRegion>>,
+    region: Arc<Region>,
+}
+
+/// A reliable-connected queue pair (basic QP: siw refuses the extended one).
+pub(crate) struct Qp {
+    // drop order matters: the QP is destroyed first (the device stops touching posted buffers),
+    // only then are the regions of still-posted work requests released.
+    qp: Mutex<BasicQueuePair>,
+    inflight: Mutex<HashMap<u64, InFlight>>,
+    qp_num: u32,
+    next_wr: AtomicU64,
+    device: Arc<Device>,
+    _cq: Arc<Cq>,
+}
+
+/// Queue sizes of a QP.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct QpCaps {
+    pub(crate) max_send_wr: u32,
+    pub(crate) max_recv_wr: u32,
+}
+
+impl Qp {
+    pub(crate) fn new(
+        device: &Arc<Device>,
+        cq: &Arc<Cq>,
+        caps: QpCaps,
+    ) -> Result<Arc<Qp>, RdmaError> {
+        let generic = GenericCompletionQueue::from(Arc::clone(&cq.cq));
+        let qp = device
+            .pd
+            .create_qp_builder()
+            .setup_max_send_wr(caps.max_send_wr)
+            .setup_max_recv_wr(caps.max_recv_wr)
+            .setup_max_send_sge(1)
+            .setup_max_recv_sge(1)
+            .setup_send_cq(generic.clone())
+            .setup_recv_cq(generic)
+            .build()
+            .map_err(verbs_err("ibv_create_qp"))?;
+        let qp_num = qp.qp_number();
+        Ok(Arc::new(Qp {
+            qp: Mutex::new(qp),
+            inflight: Mutex::new(HashMap::new()),
+            qp_num,
+            next_wr: AtomicU64::new(1),
+            device: Arc::clone(device),
+            _cq: Arc::clone(cq),
+        }))
+    }
+
+    pub(crate) fn qp_num(&self) -> u32 {
+        self.qp_num
+    }
+
+    pub(crate) fn device(&self) -> &Arc<Device> {
+        &self.device
+    }
+
+    fn modify(&self, attr: &QueuePairAttribute, op: &'static str) -> Result<(), RdmaError> {
+        let mut qp = self.qp.lock().unwrap_or_else(|p| p.into_inner());
+        guarded(op, || qp.modify(attr))?.map_err(verbs_err(op))
+    }
+
+    /// Moves the QP to the error state: every posted work request completes (flushed).
+    pub(crate) fn set_error(&self) -> Result<(), RdmaError> {
+        let mut attr = QueuePairAttribute::new();
+        attr.setup_state(QueuePairState::Error);
+        self.modify(&attr, "ibv_modify_qp (error)")
+    }
+
+    fn new_wr_id(&self, kind: WrKind) -> u64 {
+        (kind.tag() << 56) | (self.next_wr.fetch_add(1, Ordering::Relaxed) & ((1 << 56) - 1))
+    }
+
+    /// Checks that `[off, off+len)` lies in `region`, registered on this QP's PD.
+    fn check(&self, region: &Region, off: usize, len: usize) -> Result<(), RdmaError> {
+        if !Arc::ptr_eq(&region.device, &self.device) {
+            return Err(RdmaError::InvalidArgument(
+                "buffer registered on another connection's device/PD".into(),
+            ));
+        }
+        match off.checked_add(len) {
+            Some(end) if end <= region.len && len <= u32::MAX as usize => Ok(()),
+            _ => Err(RdmaError::InvalidArgument(format!(
+                "range {off}+{len} outside the {}-byte buffer",
+                region.len
+            ))),
+        }
+    }
+
+    /// Posts a receive into `region[off..off+len]`; returns its wr_id.
+    pub(crate) fn post_recv(
+        &self,
+        region: &Arc<Region>,
+        off: usize,
+        len: usize,
+    ) -> Result<u64, RdmaError> {
+        self.check(region, off, len)?;
+        let wr_id = self.new_wr_id(WrKind::Recv);
+        let mut inflight = self.inflight.lock().unwrap_or_else(|p| p.into_inner());
+        inflight.insert(
+            wr_id,
+            InFlight {
+                _mr: None,
+                region: Arc::clone(region),
+            },
+        );
+        let res = {
+            let mut qp = self.qp.lock().unwrap_or_else(|p| p.into_inner());
+            let mut guard = qp.start_post_recv();
+            let wr = guard.construct_wr(wr_id);
+            // SAFETY: the range was checked to lie inside the region, whose memory stays
+            // allocated (the Arc inserted into `inflight` above) until this work request is
+            // retired or the QP is destroyed; `lkey` is the region's own local MR (LOCAL_WRITE).
+            unsafe { wr.setup_sge(region.mr.lkey(), region.addr(off), len as u32) };
+            guard.post()
+        };
+        if let Err(e) = res {
+            inflight.remove(&wr_id);
+            return Err(RdmaError::Verbs {
+                op: "ibv_post_recv",
+                source: Box::new(e),
+            });
+        }
+        Ok(wr_id)
+    }
+
+    /// Posts a signaled SEND of `region[off..off+len]`.
+    pub(crate) fn post_send(
+        &self,
+        region: &Arc<Region>,
+        off: usize,
+        len: usize,
+    ) -> Result<u64, RdmaError> {
+        self.post_one(WrKind::Send, region, off, len, None)
+    }
+
+    /// Posts a signaled RDMA WRITE of `region[off..off+len]` to `remote`.
+    pub(crate) fn post_write(
+        &self,
+        region: &Arc<Region>,
+        off: usize,
+        len: usize,
+        remote: RemoteAddr,
+    ) -> Result<u64, RdmaError> {
+        self.post_one(WrKind::Write, region, off, len, Some(remote))
+    }
+
+    /// Posts a signaled RDMA READ of `len` bytes at `remote` into `region[off..off+len]`.
+    pub(crate) fn post_read(
+        &self,
+        region: &Arc<Region>,
+        off: usize,
+        len: usize,
+        remote: RemoteAddr,
+    ) -> Result<u64, RdmaError> {
+        self.post_one(WrKind::Read, region, off, len, Some(remote))
+    }
+
+    fn post_one(
+        &self,
+        kind: WrKind,
+        region: &Arc<Region>,
+        off: usize,
+        len: usize,
+        remote: Option<RemoteAddr>,
+    ) -> Result<u64, RdmaError> {
+        self.check(region, off, len)?;
+        // iWARP places RDMA READ responses through the sink's STag, which must allow remote
+        // writes: register the sink for this operation only (revoked when it is retired).
+        let op_mr = if kind == WrKind::Read && self.device.transport == Transport::IWarp {
+            Some(region.register(AccessFlags::LocalWrite | AccessFlags::RemoteWrite)?)
+        } else {
+            None
+        };
+        let lkey = op_mr
+            .as_ref()
+            .map_or_else(|| region.mr.lkey(), |m| m.lkey());
+        let wr_id = self.new_wr_id(kind);
+        let mut inflight = self.inflight.lock().unwrap_or_else(|p| p.into_inner());
+        inflight.insert(
+            wr_id,
+            InFlight {
+                _mr: op_mr,
+                region: Arc::clone(region),
+            },
+        );
+        let res = {
+            let mut qp = self.qp.lock().unwrap_or_else(|p| p.into_inner());
+            let mut guard = qp.start_post_send();
+            let wr = guard.construct_wr(wr_id, WorkRequestFlags::Signaled);
+            let local = match (kind, remote) {
+                (WrKind::Write, Some(r)) => wr.setup_write(r.rkey, r.addr),
+                (WrKind::Read, Some(r)) => wr.setup_read(r.rkey, r.addr),
+                _ => wr.setup_send(),
+            };
+            // SAFETY: the range was checked to lie inside the region, whose memory stays
+            // allocated (the Arc inserted into `inflight` above) until this work request is
+            // retired or the QP is destroyed; `lkey` belongs to an MR covering the whole region.
+            unsafe { local.setup_sge(lkey, region.addr(off), len as u32) };
+            guard.post()
+        };
+        if let Err(e) = res {
+            inflight.remove(&wr_id);
+            let op = match kind {
+                WrKind::Write => "ibv_post_send (RDMA WRITE)",
+                WrKind::Read => "ibv_post_send (RDMA READ)",
+                _ => "ibv_post_send (SEND)",
+            };
+            return Err(RdmaError::Verbs {
+                op,
+                source: Box::new(e),
+            });
+        }
+        Ok(wr_id)
+    }
+
+    /// Releases what a completed work request held; for a receive, returns its region.
+    pub(crate) fn retire(&self, wr_id: u64) -> Option<Arc<Region>> {
+        let mut inflight = self.inflight.lock().unwrap_or_else(|p| p.into_inner());
+        inflight.remove(&wr_id).map(|f| f.region)
+    }
+}
+
+// ------------------------------------------------------------------------------------------------
+// memory
+
+/// Memory owned by this module, registered for local access on a device's PD.
+pub(crate) struct Region {
+    // deregistered in Drop before the memory is freed
+    mr: ManuallyDrop<Arc<MemoryRegion>>,
+    ptr: NonNull<u8>,
+    len: usize,
+    device: Arc<Device>,
+}
+
+// SAFETY: the region owns its heap memory (like a Box<[u8]>); the raw pointer is only
+// dereferenced through `&mut Arc<Region>` with a unique Arc (see `bytes`/`bytes_mut`), and the
+// MR handle is Send + Sync (sideway).
+unsafe impl Send for Region {}
+// SAFETY: shared references give no access to the bytes (only to the length and keys).
+unsafe impl Sync for Region {}
+
+impl Region {
+    pub(crate) fn new(device: &Arc<Device>, len: usize) -> Result<Arc<Region>, RdmaError> {
+        if len == 0 {
+            return Err(RdmaError::InvalidArgument(
+                "cannot register an empty buffer".into(),
+            ));
+        }
+        let boxed: Box<[u8]> = vec![0u8; len].into_boxed_slice();
+        let raw: *mut [u8] = Box::into_raw(boxed);
+        // SAFETY: Box::into_raw never returns null.
+        let ptr = unsafe { NonNull::new_unchecked(raw as *mut u8) };
+        // SAFETY: `ptr..ptr+len` is a live allocation owned by the region being built; it is
+        // freed only in Drop, after the MR was deregistered.
+        let mr = unsafe {
+            device
+                .pd
+                .reg_mr(ptr.as_ptr() as usize, len, AccessFlags::LocalWrite)
+        };
+        match mr {
+            Ok(mr) => Ok(Arc::new(Region {
+                mr: ManuallyDrop::new(mr),
+                ptr,
+                len,
+                device: Arc::clone(device),
+            })),
+            Err(e) => {
+                // SAFETY: `raw` came from Box::into_raw above and was not registered.
+                drop(unsafe { Box::from_raw(raw) });
+                Err(RdmaError::Verbs {
+                    op: "ibv_reg_mr",
+                    source: Box::new(e),
+                })
+            }
+        }
+    }
+
+    pub(crate) fn len(&self) -> usize {
+        self.len
+    }
+
+    fn addr(&self, off: usize) -> u64 {
+        self.ptr.as_ptr() as u64 + off as u64
+    }
+
+    /// Registers one more MR over the whole region.
+    fn register(&self, access: AccessFlags) -> Result<Arc<MemoryRegion>, RdmaError> {
+        // SAFETY: the memory is live while `self` is; callers keep the region alive (an Arc
+        // held next to the MR) until the returned MR is dropped.
+        unsafe {
+            self.device
+                .pd
+                .reg_mr(self.ptr.as_ptr() as usize, self.len, access)
+        }
+        .map_err(verbs_err("ibv_reg_mr"))
+    }
+
+    /// The bytes, when no posted work request and no exposure holds the region.
+    pub(crate) fn bytes(this: &mut Arc<Region>) -> Option<&[u8]> {
+        let r = Arc::get_mut(this)?;
+        // SAFETY: the Arc is unique, so no work request (each holds an Arc) can make the device
+        // touch this memory and no exposure (holds an Arc) lets a peer reach it; the slice
+        // borrows `this` mutably, so the Arc cannot be cloned while it lives.
+        Some(unsafe { std::slice::from_raw_parts(r.ptr.as_ptr(), r.len) })
+    }
+
+    /// The bytes, mutably, under the same condition as [`Region::bytes`].
+    pub(crate) fn bytes_mut(this: &mut Arc<Region>) -> Option<&mut [u8]> {
+        let r = Arc::get_mut(this)?;
+        // SAFETY: as in `bytes`; the unique `&mut Region` makes this the only reference.
+        Some(unsafe { std::slice::from_raw_parts_mut(r.ptr.as_ptr(), r.len) })
+    }
+
+    /// Makes the whole region remotely accessible until the returned exposure is dropped.
+    pub(crate) fn expose(
+        this: &Arc<Region>,
+        remote_read: bool,
+        remote_write: bool,
+    ) -> Result<Exposure, RdmaError> {
+        let mut access = AccessFlags::LocalWrite;
+        if remote_read {
+            access |= AccessFlags::RemoteRead;
+        }
+        if remote_write {
+            access |= AccessFlags::RemoteWrite;
+        }
+        let mr = this.register(access)?;
+        Ok(Exposure {
+            mr,
+            region: Arc::clone(this),
+        })
+    }
+}
+
+impl Drop for Region {
+    fn drop(&mut self) {
+        let only = Arc::strong_count(&self.mr) == 1;
+        debug_assert!(only, "the local MR of a region is never shared");
+        if !only {
+            // Cannot happen (the MR Arc never leaves this module). Leak rather than free memory
+            // that an MR still covers.
+            tracing::error!(
+                "transport-rdma: region MR still referenced at drop; leaking {} bytes",
+                self.len
+            );
+            return;
+        }
+        // Deregister first: the device must not be able to reach the memory once it is freed.
+        // SAFETY: `self.mr` is dropped exactly once, here, and never touched again.
+        unsafe { ManuallyDrop::drop(&mut self.mr) };
+        let raw = std::ptr::slice_from_raw_parts_mut(self.ptr.as_ptr(), self.len);
+        // SAFETY: `raw` is the allocation made by Box::into_raw in `new`; the MR covering it was
+        // just deregistered, and every work request or exposure using it held an Arc of this
+        // region, so none is left.
+        drop(unsafe { Box::from_raw(raw) });
+    }
+}
+
+/// A region made remotely accessible: address + length + rkey can be given to the peer.
+/// Dropping it deregisters the MR, which revokes the peer's access.
+pub(crate) struct Exposure {
+    // drop order: the MR before our reference to the memory
+    mr: Arc<MemoryRegion>,
+    region: Arc<Region>,
+}
+
+impl Exposure {
+    pub(crate) fn addr(&self) -> u64 {
+        self.region.addr(0)
+    }
+
+    pub(crate) fn len(&self) -> usize {
+        self.region.len
+    }
+
+    pub(crate) fn rkey(&self) -> u32 {
+        self.mr.rkey()
+    }
+}
+
+// ------------------------------------------------------------------------------------------------
+// tokio registration of the channels' fds
+
+/// Objects owning a file descriptor that stays open, and the same, for their whole life.
+pub(crate) trait StableFd: AsRawFd {}
+impl StableFd for Cq {}
+impl StableFd for CmChannel {}
+
+/// Keeps the object whose fd is registered with tokio alive as long as the registration.
+pub(crate) struct FdOwner<T: StableFd>(pub(crate) Arc<T>);
+
+impl<T: StableFd> AsRawFd for FdOwner<T> {
+    fn as_raw_fd(&self) -> RawFd {
+        self.0.as_raw_fd()
+    }
+}
+
+/// Registers a channel's fd (readable interest) with the current tokio runtime.
+pub(crate) fn async_fd<T: StableFd>(
+    obj: Arc<T>,
+) -> Result<tokio::io::unix::AsyncFd<FdOwner<T>>, RdmaError> {
+    // SAFETY: the fd belongs to a completion channel or rdma_cm event channel, which closes it
+    // only when destroyed; the `FdOwner` inside the AsyncFd holds an Arc of that channel, so the
+    // fd stays open and unchanged for the whole life of the AsyncFd.
+    unsafe {
+        tokio::io::unix::AsyncFd::register_with_interest(
+            FdOwner(obj),
+            tokio::io::Interest::READABLE,
+        )
+    }
+    .map_err(|e| RdmaError::Verbs {
+        op: "register fd with tokio",
+        source: Box::new(e.into_parts().1),
+    })
+}
+
+/// A region nobody else can reach any more (no work request, no exposure, no other handle):
+/// read-only bytes for as long as it lives, still registered (so it can be pooled later).
+pub(crate) struct Frozen {
+    region: Arc<Region>,
+}
+
+impl Region {
+    /// Freezes `this` if it is the only handle of the region.
+    pub(crate) fn freeze(this: Arc<Region>) -> Result<Frozen, Arc<Region>> {
+        if Arc::strong_count(&this) == 1 && Arc::weak_count(&this) == 0 {
+            Ok(Frozen { region: this })
+        } else {
+            Err(this)
+        }
+    }
+}
+
+impl AsRef<[u8]> for Frozen {
+    fn as_ref(&self) -> &[u8] {
+        // SAFETY: `freeze` checked that this Arc was the only handle; `Frozen` never clones it
+        // nor gives it out, so no work request or exposure can be created for the region and
+        // the device cannot write to it: shared, read-only access is sound.
+        unsafe { std::slice::from_raw_parts(self.region.ptr.as_ptr(), self.region.len) }
+    }
+}
