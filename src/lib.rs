@@ -347,7 +347,6 @@ fn connect_error(endpoint: &Endpoint, e: std::io::Error) -> RpcError {
 enum AnyListener {
     Tcp(TcpListener),
     #[cfg(feature = "rdma")]
-    #[allow(dead_code)]
     Rdma(rdma::Listener),
 }
 
@@ -443,13 +442,44 @@ mod rdma {
     use super::*;
 
     #[cfg(feature = "rdma")]
-    pub(crate) use rpc_core::mem::MemListener as Listener;
+    pub(crate) use transport_rdma::RdmaRpcListener as Listener;
+
+    #[cfg(feature = "rdma")]
+    fn rdma_error(endpoint: &Endpoint, e: transport_rdma::RdmaError) -> RpcError {
+        if e.is_unavailable() {
+            RpcError::Unavailable(format!("{endpoint}: {e}"))
+        } else {
+            RpcError::Io(std::io::Error::other(format!("{endpoint}: {e}")))
+        }
+    }
+
+    #[cfg(feature = "rdma")]
+    pub(crate) async fn connect(
+        endpoint: &Endpoint,
+        config: Config,
+    ) -> Result<rpc_core::Client, RpcError> {
+        let t = transport_rdma::RdmaTransport::connect_endpoint(endpoint, config.clone())
+            .await
+            .map_err(|e| rdma_error(endpoint, e))?;
+        rpc_core::Client::handshake(t, config).await
+    }
+
+    #[cfg(feature = "rdma")]
+    pub(crate) async fn bind(
+        endpoint: &Endpoint,
+        config: &Config,
+    ) -> Result<(AnyListener, Endpoint), RpcError> {
+        let l = transport_rdma::RdmaRpcListener::bind_endpoint(endpoint, config.clone())
+            .await
+            .map_err(|e| rdma_error(endpoint, e))?;
+        let port = l.local_addr().port();
+        Ok((AnyListener::Rdma(l), endpoint.with_port(port)))
+    }
 
     #[cfg(not(feature = "rdma"))]
     const WHY: &str = "this build has no RDMA transport (built without the `rdma` feature)";
-    #[cfg(feature = "rdma")]
-    const WHY: &str = "the RDMA transport is not wired up in this build yet";
 
+    #[cfg(not(feature = "rdma"))]
     pub(crate) async fn connect(
         endpoint: &Endpoint,
         _config: Config,
@@ -457,6 +487,7 @@ mod rdma {
         Err(RpcError::Unavailable(format!("{endpoint}: {WHY}")))
     }
 
+    #[cfg(not(feature = "rdma"))]
     pub(crate) async fn bind(
         endpoint: &Endpoint,
         _config: &Config,

@@ -1,0 +1,39 @@
+//! The end-to-end suite over the RDMA transport, on a real device. Built only with the
+//! `guest-tests` feature, by scripts/rdma-test.sh, which runs it in the QEMU guest on rxe0 and
+//! siw0 (RDMA_RPC_TEST_DEVICE, RDMA_RPC_TEST_IP). Fails when the named device is missing.
+
+mod suite;
+
+use rdma_rpc::Endpoint;
+
+fn ep() -> Endpoint {
+    let dev = std::env::var("RDMA_RPC_TEST_DEVICE")
+        .expect("RDMA_RPC_TEST_DEVICE must name the RDMA device (run scripts/rdma-test.sh)");
+    let ip = std::env::var("RDMA_RPC_TEST_IP").expect("RDMA_RPC_TEST_IP must be set");
+    format!("rdma://{ip}:0?device={dev}").parse().unwrap()
+}
+
+macro_rules! suite_tests {
+    ($($name:ident),* $(,)?) => {$(
+        #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+        async fn $name() {
+            suite::$name(&ep()).await;
+        }
+    )*};
+}
+
+suite_tests!(
+    round_trip_sizes,
+    frame_at_threshold,
+    many_concurrent_calls,
+    deadline,
+    cancellation,
+    handler_panic,
+    unknown_method_and_bad_arguments,
+    client_flow_control,
+    server_flow_control,
+    graceful_shutdown,
+    size_limits,
+    auth_token,
+    reconnect_after_restart,
+);
