@@ -155,7 +155,7 @@ for d in "${DEVS[@]}"; do
       name=$(basename "$exe"); log="logs/$name-$d.log"; t=$(now)
       echo "=================== $name on $d (${IP[$d]})"
       args=(); [ "$kind" = bin ] && args=(--test-threads=1 --nocapture)
-      RUST_BACKTRACE=1 RDMA_RPC_TEST_DEVICE=$d RDMA_RPC_TEST_IP=${IP[$d]} \
+      RUST_BACKTRACE=1 RDMA_RPC_TEST_DEVICE=$d RDMA_RPC_TEST_IP=${IP[$d]} RDMA_RPC_ENDPOINT="rdma://${IP[$d]}:0?device=$d" \
         timeout 900 "./$exe" "${args[@]}" > "$log" 2>&1
       rc=$?
       cat "$log"
