@@ -12,11 +12,21 @@ use tokio::task::JoinHandle;
 
 use crate::cm::CmDispatcher;
 use crate::error::RdmaError;
+use crate::pool::PoolMonitor;
 use crate::verbs::{
-    self, CmEvent, CmEventKind, CmId, CmQpState, Cq, Qp, QpCaps, Region, RemoteAddr, Transport, Wc,
-    WrKind,
+    self, CmEvent, CmEventKind, CmId, CmQpState, Cq, Mem, PoolBuf, PoolRegion, Qp, QpCaps, Region,
+    RemoteAddr, Transport, Wc, WrKind,
 };
 use crate::{RdmaOptions, TransportKind};
+use rpc_core::pool::{Pool, SizeClass};
+
+/// What a waiter of a work request gets: the result, and the pool buffer the request used
+/// (`None` if it used none, or if the connection failed before the completion arrived: the
+/// buffer then stays with the QP until it is destroyed).
+struct Done {
+    res: Result<(), RdmaError>,
+    buf: Option<PoolBuf>,
+}
 
 fn kind_of(t: Transport) -> TransportKind {
     match t {
@@ -72,11 +82,16 @@ struct Shared {
     send_pool: Mutex<Vec<Arc<Region>>>,
     send_permits: Arc<Semaphore>,
     slot_size: usize,
+    /// receive slots (local access only)
+    slots: Arc<PoolRegion>,
+    /// rendezvous sources and sinks (remote read; remote write on iWARP, for READ sinks)
+    bufs: Arc<PoolRegion>,
+    monitor: PoolMonitor,
 }
 
 #[derive(Default)]
 struct State {
-    waiters: HashMap<u64, oneshot::Sender<Result<(), RdmaError>>>,
+    waiters: HashMap<u64, oneshot::Sender<Done>>,
     /// set once the connection is unusable: why
     closed: Option<String>,
     /// set by the first real failure (an error completion other than a flush, a driver error):
@@ -137,7 +152,7 @@ impl Shared {
 }
 
 enum RecvEvent {
-    Data(Arc<Region>, usize),
+    Data(Mem, usize),
     /// a receive failed; `flushed`: only because the QP went to the error state
     Failed {
         err: RdmaError,
@@ -175,9 +190,12 @@ struct Prepared {
     qp: Arc<Qp>,
     cq: Arc<Cq>,
     recv_slots: Vec<u64>,
+    slots: Arc<PoolRegion>,
+    bufs: Arc<PoolRegion>,
+    monitor: PoolMonitor,
 }
 
-fn prepare(id: &CmId, opts: &RdmaOptions) -> Result<Prepared, RdmaError> {
+fn prepare(id: &CmId, opts: &RdmaOptions, monitor: PoolMonitor) -> Result<Prepared, RdmaError> {
     let device = id.device()?;
     let recv_slots = opts.recv_slots.max(1);
     let send_slots = opts.send_slots.max(1);
@@ -195,15 +213,35 @@ fn prepare(id: &CmId, opts: &RdmaOptions) -> Result<Prepared, RdmaError> {
     id.modify_qp(&qp, CmQpState::Init, false)?;
     // receives are posted before connect/accept: on iWARP a SEND that finds no receive kills
     // the connection
+    // The pools: registered once, here, on this connection's own PD. Twice the receive slots,
+    // so that received payloads a handler still holds do not starve the receive queue.
+    let layout = |classes: &[SizeClass]| {
+        Pool::new(classes).map_err(|e| RdmaError::InvalidArgument(format!("{e}")))
+    };
+    let slots = PoolRegion::new(
+        &device,
+        layout(&[SizeClass {
+            size: opts.slot_size.max(64),
+            count: recv_slots * 2,
+        }])?,
+        false,
+    )?;
+    monitor.track(&slots);
+    let bufs = PoolRegion::new(&device, layout(&opts.pool_classes)?, true)?;
+    monitor.track(&bufs);
     let mut posted = Vec::with_capacity(recv_slots);
     for _ in 0..recv_slots {
-        let region = Region::new(&device, opts.slot_size)?;
-        posted.push(qp.post_recv(&region, 0, region.len())?);
+        let buf = PoolRegion::lease(&slots, opts.slot_size)
+            .ok_or_else(|| RdmaError::InvalidArgument("receive slot pool too small".into()))?;
+        posted.push(qp.post_recv_pool(buf).map_err(|(e, _)| e)?);
     }
     Ok(Prepared {
         qp,
         cq,
         recv_slots: posted,
+        slots,
+        bufs,
+        monitor,
     })
 }
 
@@ -237,7 +275,7 @@ impl RdmaConnection {
         if ev.kind != CmEventKind::RouteResolved {
             return Err(unexpected(&ev, "route resolution"));
         }
-        let prepared = prepare(&id, &opts)?;
+        let prepared = prepare(&id, &opts, PoolMonitor::default())?;
         id.connect(&prepared.qp)?;
         let ev = next_cm_event(&mut rx, deadline, "the connection to be accepted").await?;
         match ev.kind {
@@ -262,7 +300,14 @@ impl RdmaConnection {
         cm_rx: mpsc::UnboundedReceiver<CmEvent>,
         opts: &RdmaOptions,
     ) -> Result<RdmaConnection, RdmaError> {
-        let Prepared { qp, cq, recv_slots } = prepared;
+        let Prepared {
+            qp,
+            cq,
+            recv_slots,
+            slots,
+            bufs,
+            monitor,
+        } = prepared;
         let device_name = qp.device().name().to_string();
         let transport = kind_of(qp.device().transport());
         let send_slots = opts.send_slots.max(1);
@@ -277,6 +322,9 @@ impl RdmaConnection {
             send_pool: Mutex::new(Vec::with_capacity(send_slots)),
             send_permits: Arc::new(Semaphore::new(send_slots)),
             slot_size: opts.slot_size,
+            slots,
+            bufs,
+            monitor,
         });
         let afd = verbs::async_fd(cq)?;
         tracing::debug!(
@@ -342,7 +390,43 @@ impl RdmaConnection {
         op: impl FnOnce(&Qp) -> Result<u64, RdmaError>,
     ) -> Result<(), RdmaError> {
         let rx = post(&self.shared, op)?;
-        wait_completion(&self.shared, rx).await
+        wait_completion(&self.shared, rx).await.res
+    }
+
+    /// The counters of this connection's registered pools.
+    pub fn pool_monitor(&self) -> PoolMonitor {
+        self.shared.monitor.clone()
+    }
+
+    /// Lends a rendezvous buffer of `len` bytes from the connection's registered pool.
+    pub(crate) fn lease_buffer(&self, len: usize) -> Option<PoolBuf> {
+        PoolRegion::lease(&self.shared.bufs, len)
+    }
+
+    /// If `bytes` are a view into this connection's rendezvous pool (a payload received on it),
+    /// the address and key the peer can read them with.
+    pub(crate) fn pool_address_of(&self, bytes: &[u8]) -> Option<(u64, u32)> {
+        let r = &self.shared.bufs;
+        r.address_of(bytes).map(|a| (a, r.rkey()))
+    }
+
+    /// RDMA READ of `len` bytes of the peer's exposed buffer into pool buffer `buf`, handed back
+    /// once the READ completed. If this future is dropped, the buffer stays with the QP until
+    /// the completion arrives (or the QP is destroyed), then returns to the pool.
+    pub(crate) async fn read_into_pool(
+        &self,
+        buf: PoolBuf,
+        src: &RemoteToken,
+        len: usize,
+    ) -> Result<PoolBuf, RdmaError> {
+        let remote = Self::remote(src, 0, len)?;
+        let rx = post(&self.shared, |qp| {
+            qp.post_read_pool(buf, len, remote).map_err(|(e, _)| e)
+        })?;
+        let done = wait_completion(&self.shared, rx).await;
+        done.res?;
+        done.buf
+            .ok_or_else(|| RdmaError::Closed(Some("RDMA READ completed without its buffer".into())))
     }
 
     /// Sends one message (at most [`RdmaConnection::max_message_size`] bytes) with a SEND into
@@ -383,8 +467,15 @@ impl RdmaConnection {
         })
     }
 
-    /// Receives the next message; `Ok(None)` once the peer disconnected.
+    /// Receives the next message (a copy); `Ok(None)` once the peer disconnected.
     pub async fn recv(&self) -> Result<Option<Vec<u8>>, RdmaError> {
+        Ok(self.recv_bytes().await?.map(|b| b.to_vec()))
+    }
+
+    /// Receives the next message: a view of the registered slot it arrived in (no copy; the
+    /// slot returns to the pool when the last view is dropped, and a fresh one is posted in its
+    /// place), or a copy if the slot pool has none free; `Ok(None)` once the peer disconnected.
+    pub async fn recv_bytes(&self) -> Result<Option<bytes::Bytes>, RdmaError> {
         let mut rx = self.recv_rx.lock().await;
         if rx.is_empty() && lock(&self.shared.state).disconnected {
             return Ok(None);
@@ -409,7 +500,37 @@ impl RdmaConnection {
         };
         let Some(ev) = ev else { return Ok(None) };
         match ev {
-            RecvEvent::Data(mut region, len) => {
+            RecvEvent::Data(Mem::Pool(mut buf), len) => {
+                if len > buf.len().max(self.shared.slot_size) {
+                    return Err(RdmaError::InvalidArgument(
+                        "completion longer than its slot".into(),
+                    ));
+                }
+                if self.check_open().is_err() {
+                    buf.set_len(len);
+                    return Ok(Some(bytes::Bytes::from_owner(buf.freeze())));
+                }
+                // post a fresh slot in its place and hand this one out as it is; if none is
+                // free (handlers hold many), copy the message and give the slot back
+                let (data, repost) =
+                    match PoolRegion::lease(&self.shared.slots, self.shared.slot_size) {
+                        Some(fresh) => {
+                            buf.set_len(len);
+                            (bytes::Bytes::from_owner(buf.freeze()), fresh)
+                        }
+                        None => {
+                            buf.set_len(len);
+                            let data = bytes::Bytes::copy_from_slice(buf.bytes_mut());
+                            (data, buf)
+                        }
+                    };
+                if let Err((e, _)) = self.shared.qp.post_recv_pool(repost) {
+                    self.shared
+                        .close(&format!("re-posting a receive failed: {e}"));
+                }
+                Ok(Some(data))
+            }
+            RecvEvent::Data(Mem::Region(mut region), len) => {
                 let data = Region::bytes(&mut region)
                     .ok_or(RdmaError::BufferBusy)?
                     .get(..len)
@@ -417,14 +538,7 @@ impl RdmaConnection {
                         RdmaError::InvalidArgument("completion longer than its slot".into())
                     })?
                     .to_vec();
-                // give the slot back to the device
-                if self.check_open().is_ok() {
-                    if let Err(e) = self.shared.qp.post_recv(&region, 0, region.len()) {
-                        self.shared
-                            .close(&format!("re-posting a receive failed: {e}"));
-                    }
-                }
-                Ok(Some(data))
+                Ok(Some(data.into()))
             }
             RecvEvent::Eof => Ok(None),
             RecvEvent::Failed { err, flushed } => {
@@ -526,7 +640,7 @@ impl Drop for RdmaConnection {
 fn post(
     shared: &Shared,
     op: impl FnOnce(&Qp) -> Result<u64, RdmaError>,
-) -> Result<oneshot::Receiver<Result<(), RdmaError>>, RdmaError> {
+) -> Result<oneshot::Receiver<Done>, RdmaError> {
     let mut st = lock(&shared.state);
     if let Some(why) = &st.closed {
         return Err(RdmaError::Closed(Some(why.clone())));
@@ -538,10 +652,7 @@ fn post(
 }
 
 /// Waits for a posted work request's completion, busy-polling inline first.
-async fn wait_completion(
-    shared: &Shared,
-    mut rx: oneshot::Receiver<Result<(), RdmaError>>,
-) -> Result<(), RdmaError> {
+async fn wait_completion(shared: &Shared, mut rx: oneshot::Receiver<Done>) -> Done {
     let mut early = None;
     shared
         .spin_until(|| match rx.try_recv() {
@@ -556,14 +667,16 @@ async fn wait_completion(
     if let Some(r) = early {
         return r;
     }
-    rx.await
-        .unwrap_or_else(|_| Err(RdmaError::Closed(Some("completion driver stopped".into()))))
+    rx.await.unwrap_or_else(|_| Done {
+        res: Err(RdmaError::Closed(Some("completion driver stopped".into()))),
+        buf: None,
+    })
 }
 
 /// A posted SEND (see [`RdmaConnection::start_send`]). Dropping it without waiting is fine: the
 /// slot stays reserved until the device is done with it.
 pub struct SendCompletion {
-    rx: oneshot::Receiver<Result<(), RdmaError>>,
+    rx: oneshot::Receiver<Done>,
     slot: Arc<Region>,
     shared: Arc<Shared>,
     _permit: tokio::sync::OwnedSemaphorePermit,
@@ -584,7 +697,7 @@ impl SendCompletion {
             shared,
             _permit,
         } = self;
-        let res = wait_completion(&shared, rx).await;
+        let res = wait_completion(&shared, rx).await.res;
         if res.is_ok() {
             lock(&shared.send_pool).push(slot);
         }
@@ -669,7 +782,7 @@ fn on_cm_event(shared: &Shared, ev: CmEvent) {
 
 fn dispatch(shared: &Shared, wcs: &[Wc]) {
     for wc in wcs {
-        let region = shared.qp.retire(wc.wr_id);
+        let mem = shared.qp.retire(wc.wr_id);
         let op = match wc.kind {
             WrKind::Recv => "RECV",
             WrKind::Send => "SEND",
@@ -691,7 +804,7 @@ fn dispatch(shared: &Shared, wcs: &[Wc]) {
         }
         match wc.kind {
             WrKind::Recv => {
-                let ev = match (wc.ok(), region) {
+                let ev = match (wc.ok(), mem) {
                     (true, Some(r)) => RecvEvent::Data(r, wc.byte_len as usize),
                     (true, None) => RecvEvent::Failed {
                         err: RdmaError::Completion {
@@ -711,8 +824,15 @@ fn dispatch(shared: &Shared, wcs: &[Wc]) {
                 let _ = shared.recv_tx.send(ev);
             }
             _ => {
-                // release the buffer before waking the waiter, which may touch it at once
-                drop(region);
+                // release a region before waking the waiter, which may touch it at once; a pool
+                // buffer goes to the waiter (or back to the pool if the waiter is gone)
+                let buf = match mem {
+                    Some(Mem::Pool(b)) => Some(b),
+                    other => {
+                        drop(other);
+                        None
+                    }
+                };
                 let waiter = lock(&shared.state).waiters.remove(&wc.wr_id);
                 if let Some(w) = waiter {
                     let res = if wc.ok() {
@@ -723,7 +843,7 @@ fn dispatch(shared: &Shared, wcs: &[Wc]) {
                             status: wc.status_str(),
                         })
                     };
-                    let _ = w.send(res);
+                    let _ = w.send(Done { res, buf });
                 }
             }
         }
@@ -742,7 +862,11 @@ fn fail_all(shared: &Shared, why: &str) {
         .map(|(_, w)| w)
         .collect();
     for w in waiters {
-        let _ = w.send(Err(RdmaError::Closed(Some(why.to_string()))));
+        // the buffers of those requests stay with the QP until it is destroyed
+        let _ = w.send(Done {
+            res: Err(RdmaError::Closed(Some(why.to_string()))),
+            buf: None,
+        });
     }
     let _ = shared.recv_tx.send(RecvEvent::Failed {
         err: RdmaError::Closed(Some(why.to_string())),
@@ -757,6 +881,7 @@ pub struct RdmaListener {
     cm: Arc<CmDispatcher>,
     opts: RdmaOptions,
     addr: SocketAddr,
+    monitor: PoolMonitor,
 }
 
 impl std::fmt::Debug for RdmaListener {
@@ -810,6 +935,7 @@ impl RdmaListener {
                         cm,
                         opts,
                         addr: at,
+                        monitor: PoolMonitor::default(),
                     })
                 }
                 Err(e) => last = Some(e),
@@ -821,6 +947,11 @@ impl RdmaListener {
     /// The address it listens on (with the port picked for port 0).
     pub fn local_addr(&self) -> SocketAddr {
         self.addr
+    }
+
+    /// The counters of the registered pools of every connection it accepted.
+    pub fn pool_monitor(&self) -> PoolMonitor {
+        self.monitor.clone()
     }
 
     /// Waits for the next connection request and accepts it
@@ -851,6 +982,7 @@ impl RdmaListener {
                 rx,
                 cm: Arc::clone(&self.cm),
                 opts: self.opts.clone(),
+                monitor: self.monitor.clone(),
             });
         }
     }
@@ -862,6 +994,7 @@ pub struct PendingConnection {
     rx: mpsc::UnboundedReceiver<CmEvent>,
     cm: Arc<CmDispatcher>,
     opts: RdmaOptions,
+    monitor: PoolMonitor,
 }
 
 impl std::fmt::Debug for PendingConnection {
@@ -871,6 +1004,11 @@ impl std::fmt::Debug for PendingConnection {
 }
 
 impl PendingConnection {
+    /// The counters of the pools the connection will use (its listener's).
+    pub fn pool_monitor(&self) -> PoolMonitor {
+        self.monitor.clone()
+    }
+
     /// Sets up the queue pair (receives posted first), accepts, and waits for the connection
     /// to be established (at most the options' `connect_timeout`).
     pub async fn establish(self) -> Result<RdmaConnection, RdmaError> {
@@ -879,9 +1017,10 @@ impl PendingConnection {
             mut rx,
             cm,
             opts,
+            monitor,
         } = self;
         let deadline = Instant::now() + opts.connect_timeout;
-        let prepared = prepare(&id, &opts)?;
+        let prepared = prepare(&id, &opts, monitor)?;
         if prepared.qp.device().transport() != Transport::IWarp {
             // InfiniBand/RoCE: RTR and RTS before accepting; on iWARP the provider does it
             id.modify_qp(&prepared.qp, CmQpState::ReadyToReceive, true)?;

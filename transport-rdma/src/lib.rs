@@ -9,11 +9,55 @@
 //! point returns [`RdmaError::Unavailable`] (never a panic), so one binary serves TCP anywhere.
 //!
 //! All `unsafe` code is in the private `verbs` module.
+//!
+//! # Buffer pools
+//!
+//! Each connection registers two regions once, when it is set up, each carved into buffers by
+//! an [`rpc_core::pool::Pool`] (size classes, bounded total; nothing is registered per message):
+//! - the *slot pool* (local access only: no key ever leaves the host): the posted receive slots,
+//!   twice as many buffers as [`RdmaOptions::recv_slots`]. A message is handed up as a view of
+//!   the slot it arrived in (an eager [`rpc_core::Payload`] is a slice of it, no copy) and a
+//!   fresh slot is posted in its place; the slot returns to the pool when the last view is
+//!   dropped. If handlers hold every spare slot, the message is copied and its slot reposted,
+//!   so credits never stall on a handler.
+//! - the *rendezvous pool* ([`RdmaOptions::pool_classes`], 15 MiB by default): sources of
+//!   our pull transfers (an attachment is copied into a pool buffer, unless it already is a
+//!   view of this connection's pool, e.g. a payload received on it and echoed back, which is
+//!   exposed as it is) and sinks of the peer's (the RDMA READ lands in a pool buffer, and the
+//!   received [`rpc_core::Payload`] is a view of it, returned to the pool when dropped). When
+//!   the pool cannot lend (exhausted, or an attachment larger than the largest class) a buffer
+//!   is registered for that transfer alone rather than waiting (two peers waiting for each
+//!   other's `Fin` could deadlock); [`PoolCounts::fallback_registrations`] counts those.
+//!
+//! **Cancel safety.** A posted work request owns its buffer (moved into the QP's in-flight
+//! table) until its completion is polled or the QP is destroyed; a dropped call, a dropped
+//! future or a failed connection never returns to the pool a buffer the device may still
+//! write. Our rendezvous sources stay out of the pool until the peer's `Fin`, or until the
+//! connection is closed and its QP is in the error state (no more READs are served).
+//!
+//! **Remote access, and its trade-off.** Per-transfer narrowing of one pre-registered region
+//! needs memory windows, which siw does not have; re-registering per transfer is what the pools
+//! exist to avoid. So the pools are per connection, on the connection's own protection domain
+//! (one PD per connection): a key is only ever sent to that connection's peer and is only
+//! valid on that connection's QP. The rendezvous region's MR allows `REMOTE_READ` (for pulls),
+//! plus `REMOTE_WRITE` on iWARP only, where the sink of an RDMA READ is addressed by its STag
+//! and must allow remote writes (push is not implemented, so `REMOTE_WRITE` is never granted on
+//! InfiniBand/RoCE). What is wider than "one buffer, one transfer": the key covers the
+//! connection's whole rendezvous region for the connection's life, not one buffer until its
+//! `Fin`. A peer can therefore read any buffer of that region at any time (which only ever
+//! holds data sent to that same peer, or data it sent us); on iWARP it could also write into
+//! it, including into received payloads a handler is reading (a misbehaving peer can corrupt
+//! its own data on its own connection, never another connection's memory). Memory is never
+//! freed or reused while an MR covers it: regions are deregistered before they are freed, and
+//! only once every buffer of them is back. [`PoolMonitor`] (from [`RdmaTransport::pool_monitor`],
+//! [`RdmaRpcListener::pool_monitor`], [`RdmaConnection::pool_monitor`]) counts leases, returns
+//! and live regions, so tests can prove every buffer came back.
 #![deny(unsafe_code)]
 
 mod cm;
 mod conn;
 mod error;
+mod pool;
 mod rpc;
 #[allow(unsafe_code)]
 mod verbs;
@@ -25,7 +69,9 @@ pub use conn::{
     RemoteExposure, RemoteToken, SendCompletion,
 };
 pub use error::RdmaError;
+pub use pool::{PoolCounts, PoolMonitor};
 pub use rpc::{resolve, RdmaReader, RdmaRpcListener, RdmaTransport, RdmaWriter};
+pub use rpc_core::pool::SizeClass;
 
 /// The transport family of an RDMA device.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -89,6 +135,9 @@ pub struct RdmaOptions {
     pub connect_timeout: Duration,
     /// if set, connections must run on this RDMA device (e.g. `rxe0`), else they fail
     pub device: Option<String>,
+    /// size classes of each connection's registered rendezvous pool (strictly increasing
+    /// sizes; the total is registered once per connection, at set-up)
+    pub pool_classes: Vec<SizeClass>,
 }
 
 impl Default for RdmaOptions {
@@ -101,6 +150,21 @@ impl Default for RdmaOptions {
             busy_poll: Duration::from_micros(50),
             connect_timeout: Duration::from_secs(10),
             device: None,
+            // 15 MiB per connection
+            pool_classes: vec![
+                SizeClass {
+                    size: 64 * 1024,
+                    count: 16,
+                },
+                SizeClass {
+                    size: 1 << 20,
+                    count: 6,
+                },
+                SizeClass {
+                    size: 4 << 20,
+                    count: 2,
+                },
+            ],
         }
     }
 }

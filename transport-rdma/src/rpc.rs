@@ -7,10 +7,11 @@
 //!   window is owed.
 //! - A message whose whole frame fits the eager threshold (and a slot) goes in one SEND.
 //! - Larger ones go by receiver-pull rendezvous: the sender copies each attachment into a
-//!   registered buffer, exposes it for RDMA READ and sends `PullRts` with the inline part; the
-//!   receiver RDMA-READs every segment into registered buffers, delivers the message with those
-//!   buffers as its [`Payload`]s (no further copy) and sends `Fin`, on which the sender revokes
-//!   the exposure and frees its buffers.
+//!   buffer of the connection's registered pool (unless it already is one) and sends `PullRts`
+//!   with the inline part and the buffers' addresses and key; the receiver RDMA-READs every
+//!   segment into buffers of its own pool, delivers the message with views of those buffers as
+//!   its [`Payload`]s (no further copy) and sends `Fin`, on which the sender's buffers return
+//!   to its pool (see the crate docs, "Buffer pools").
 //!
 //! - SENDs are pipelined (up to [`RdmaOptions::send_slots`] in flight); a transport whose two
 //!   halves are dropped first sends what it accepted and waits for the peer's `Fin`s (at most
@@ -20,9 +21,9 @@
 //!
 //! Both sides must use the same [`RdmaOptions::recv_slots`] and [`RdmaOptions::slot_size`].
 //!
-//! Not done yet: registered buffer pools (buffers are registered per transfer, and eager
-//! messages are copied out of their slot), sender-push rendezvous (a peer's `PushRts` is
-//! refused), RDMA READs of one message in parallel.
+//! Not done yet: sender-push rendezvous (a peer's `PushRts` is refused), RDMA READs of one
+//! message in parallel, waiting for a pool buffer instead of registering one when the pool is
+//! exhausted.
 
 use std::io;
 use std::net::SocketAddr;
@@ -30,7 +31,7 @@ use std::pin::Pin;
 use std::sync::{Arc, Mutex};
 use std::task::{Context, Poll};
 
-use bytes::{Bytes, BytesMut};
+use bytes::BytesMut;
 use futures::channel::mpsc as fmpsc;
 use futures::{SinkExt, Stream, StreamExt};
 use rpc_core::rendezvous::{refuse, Credits, Direction, Packet, Plan, Segment, Transfers};
@@ -39,9 +40,10 @@ use rpc_core::{Config, Payload};
 use tokio::sync::{mpsc, Notify};
 
 use crate::conn::PendingConnection;
+use crate::verbs::PoolBuf;
 use crate::{
-    RdmaBuffer, RdmaConnection, RdmaError, RdmaListener, RdmaOptions, RemoteAccess, RemoteExposure,
-    RemoteToken, SendCompletion,
+    PoolMonitor, RdmaBuffer, RdmaConnection, RdmaError, RdmaListener, RdmaOptions, RemoteAccess,
+    RemoteExposure, RemoteToken, SendCompletion,
 };
 
 fn to_io(e: RdmaError) -> io::Error {
@@ -161,6 +163,16 @@ impl RdmaTransport {
         }
     }
 
+    /// The counters of the connection's registered pools (for an accepted connection not yet
+    /// established: those of its listener). Take it before handing the transport to a client
+    /// or server; it stays valid after the connection is gone.
+    pub fn pool_monitor(&self) -> PoolMonitor {
+        match &self.state {
+            State::Ready(c) => c.pool_monitor(),
+            State::Pending(p) => p.pool_monitor(),
+        }
+    }
+
     /// The RDMA device the connection runs on ("" until an accepted one is established).
     pub fn device_name(&self) -> &str {
         match &self.state {
@@ -200,6 +212,7 @@ impl rpc_core::Transport for RdmaTransport {
         let (ctl_tx, ctl_rx) = mpsc::unbounded_channel();
         let engine = Arc::new(Engine {
             slot: conn.max_message_size(),
+            pool: conn.pool_monitor(),
             conn,
             proto: Mutex::new(Proto {
                 credits: Credits::new(slots),
@@ -306,11 +319,22 @@ impl Drop for CloseOnDrop {
 /// How long a closed transport waits for its last messages to go and the peer's last `Fin`s.
 const DRAIN_LIMIT: std::time::Duration = std::time::Duration::from_secs(10);
 
-/// Buffers of one of our pull transfers, held until the peer's `Fin` (or the connection's end).
-struct Held {
-    // drop order: revoke the peer's access, then free the memory
-    _exposure: Option<RemoteExposure>,
-    _buf: Option<RdmaBuffer>,
+/// A buffer of one of our pull transfers, held (out of the pool) until the peer's `Fin`, or
+/// until the connection is closed (QP in the error state: the device serves no more READs).
+enum Held {
+    /// an empty attachment
+    Empty,
+    /// a pool buffer the attachment was copied into
+    Pool(#[allow(dead_code)] PoolBuf),
+    /// the attachment itself, already a view of this connection's pool (a payload received on
+    /// it): no copy; the payload keeps its buffer out of the pool
+    View(#[allow(dead_code)] Payload),
+    /// the pool had no buffer: one registered for this transfer only
+    Own {
+        // drop order: revoke the peer's access, then free the memory
+        _exposure: RemoteExposure,
+        _buf: RdmaBuffer,
+    },
 }
 
 struct Proto {
@@ -337,6 +361,7 @@ struct Engine {
     limits: Limits,
     eager_threshold: usize,
     slot: usize,
+    pool: PoolMonitor,
 }
 
 fn lock(m: &Mutex<Proto>) -> std::sync::MutexGuard<'_, Proto> {
@@ -408,12 +433,33 @@ impl Engine {
                             len: 0,
                             rkey: 0,
                         });
-                        held.push(Held {
-                            _exposure: None,
-                            _buf: None,
-                        });
+                        held.push(Held::Empty);
                         continue;
                     }
+                    if let Some((addr, rkey)) = self.conn.pool_address_of(a) {
+                        segments.push(Segment {
+                            addr,
+                            len: a.len() as u64,
+                            rkey,
+                        });
+                        held.push(Held::View(a.clone()));
+                        continue;
+                    }
+                    if let Some(mut buf) = self.conn.lease_buffer(a.len()) {
+                        buf.bytes_mut().copy_from_slice(a);
+                        let (addr, rkey) = buf.remote();
+                        segments.push(Segment {
+                            addr,
+                            len: a.len() as u64,
+                            rkey,
+                        });
+                        held.push(Held::Pool(buf));
+                        continue;
+                    }
+                    // the pool is exhausted (or the attachment is larger than its largest
+                    // class): register a buffer for this transfer rather than wait (waiting
+                    // here could deadlock two peers that both wait for the other's Fin)
+                    self.pool.count_fallback();
                     let mut buf = self.conn.alloc_buffer(a.len())?;
                     buf.bytes_mut()?.copy_from_slice(a);
                     let exposure = buf.expose(RemoteAccess::Read)?;
@@ -423,9 +469,9 @@ impl Engine {
                         len: t.len,
                         rkey: t.rkey,
                     });
-                    held.push(Held {
-                        _exposure: Some(exposure),
-                        _buf: Some(buf),
+                    held.push(Held::Own {
+                        _exposure: exposure,
+                        _buf: buf,
                     });
                 }
                 let id = lock(&self.proto).transfers.start_pull(held);
@@ -447,12 +493,19 @@ impl Engine {
             }
             let len = usize::try_from(s.len)
                 .map_err(|_| RdmaError::InvalidArgument("segment too large".into()))?;
-            let mut buf = self.conn.alloc_buffer(len)?;
             let token = RemoteToken {
                 addr: s.addr,
                 len: s.len,
                 rkey: s.rkey,
             };
+            if let Some(buf) = self.conn.lease_buffer(len) {
+                // the payload is a view of the pool buffer the data arrived in
+                let buf = self.conn.read_into_pool(buf, &token, len).await?;
+                out.push(Payload::from_owner(buf.freeze()));
+                continue;
+            }
+            self.pool.count_fallback();
+            let mut buf = self.conn.alloc_buffer(len)?;
             self.conn.read(&mut buf, 0, &token, 0, len).await?;
             let frozen = buf.freeze().map_err(|_| RdmaError::BufferBusy)?;
             out.push(Payload::from_owner(frozen));
@@ -468,12 +521,12 @@ fn violation(v: rpc_core::rendezvous::ProtocolViolation) -> io::Error {
 /// Receives packets: credits, deliveries, rendezvous reads, transfer bookkeeping.
 async fn receive_loop(engine: Arc<Engine>, mut deliver: fmpsc::Sender<io::Result<Message>>) {
     let end: Option<io::Error> = loop {
-        let data = match engine.conn.recv().await {
+        let data = match engine.conn.recv_bytes().await {
             Ok(Some(d)) => d,
             Ok(None) => break None,
             Err(e) => break Some(to_io(e)),
         };
-        let (packet, credits) = match Packet::parse(Bytes::from(data), &engine.limits) {
+        let (packet, credits) = match Packet::parse(data, &engine.limits) {
             Ok(x) => x,
             Err(v) => break Some(violation(v)),
         };
@@ -682,6 +735,11 @@ impl RdmaRpcListener {
     /// The address it listens on.
     pub fn local_addr(&self) -> SocketAddr {
         self.inner.local_addr()
+    }
+
+    /// The counters of the registered pools of every connection it accepted.
+    pub fn pool_monitor(&self) -> PoolMonitor {
+        self.inner.pool_monitor()
     }
 }
 

@@ -6,7 +6,9 @@
 //!
 //! Ownership (children hold an `Arc` of their parents, so drop order is always right):
 //! `CmChannel` <- `CmId`; `Device` (context + PD) <- `Cq` (CQ + completion channel) <- `Qp`;
-//! `Device` <- `Region` (memory owned by this module + its local MR) <- `Exposure` (remote MR).
+//! `Device` <- `Region` (memory owned by this module + its local MR) <- `Exposure` (remote MR);
+//! `Device` <- `PoolRegion` (a connection's pool: memory + one MR registered at set-up) <-
+//! `PoolBuf` (an exclusive `rpc_core::pool::Lease` of a range) -> `PoolView` (frozen, read-only).
 //!
 //! Memory soundness rules enforced here (the rest of the crate cannot break them):
 //! * a `Region`'s bytes are reachable from safe code only through `Arc::get_mut`, i.e. when no
@@ -15,7 +17,11 @@
 //!   after its completion was polled, or until the QP is destroyed (after which the device no
 //!   longer touches the memory): memory is never freed or handed out while the device may use it;
 //! * an `Exposure` (a remotely accessible MR) holds the region too; dropping it deregisters the
-//!   MR, which revokes the peer's access in hardware before local access becomes possible again.
+//!   MR, which revokes the peer's access in hardware before local access becomes possible again;
+//! * a `PoolBuf`'s bytes are reachable only through `&mut PoolBuf` (the pool lends each range
+//!   to one lease at a time) or, once frozen, through a `PoolView` that is never posted again;
+//!   posting a `PoolBuf` moves it into `Qp::inflight` (same rule as regions), and every buffer
+//!   holds an `Arc` of its `PoolRegion`, which deregisters its MR before freeing the memory.
 //!
 //! sideway panics on values it does not know (`From<u32>` for event types, transport types, QP
 //! states...). Those conversions are only called through [`guarded`], which turns a panic into
@@ -595,10 +601,19 @@ pub(crate) struct RemoteAddr {
     pub(crate) rkey: u32,
 }
 
+/// The memory a posted work request uses: kept here (out of every other hand) until the
+/// request is retired after its completion, or until the QP is destroyed.
+pub(crate) enum Mem {
+    /// a region of its own (the verbs-level API)
+    Region(Arc<Region>),
+    /// a buffer of a connection's registered pool
+    Pool(PoolBuf),
+}
+
 struct InFlight {
     // drop order: a per-operation MR (iWARP read sink) before the memory it covers
     _mr: Option<Arc<MemoryRegion>>,
-    region: Arc<Region>,
+    mem: Mem,
 }
 
 /// A reliable-connected queue pair (basic QP: siw refuses the extended one).
@@ -689,43 +704,6 @@ impl Qp {
         }
     }
 
-    /// Posts a receive into `region[off..off+len]`; returns its wr_id.
-    pub(crate) fn post_recv(
-        &self,
-        region: &Arc<Region>,
-        off: usize,
-        len: usize,
-    ) -> Result<u64, RdmaError> {
-        self.check(region, off, len)?;
-        let wr_id = self.new_wr_id(WrKind::Recv);
-        let mut inflight = self.inflight.lock().unwrap_or_else(|p| p.into_inner());
-        inflight.insert(
-            wr_id,
-            InFlight {
-                _mr: None,
-                region: Arc::clone(region),
-            },
-        );
-        let res = {
-            let mut qp = self.qp.lock().unwrap_or_else(|p| p.into_inner());
-            let mut guard = qp.start_post_recv();
-            let wr = guard.construct_wr(wr_id);
-            // SAFETY: the range was checked to lie inside the region, whose memory stays
-            // allocated (the Arc inserted into `inflight` above) until this work request is
-            // retired or the QP is destroyed; `lkey` is the region's own local MR (LOCAL_WRITE).
-            unsafe { wr.setup_sge(region.mr.lkey(), region.addr(off), len as u32) };
-            guard.post()
-        };
-        if let Err(e) = res {
-            inflight.remove(&wr_id);
-            return Err(RdmaError::Verbs {
-                op: "ibv_post_recv",
-                source: Box::new(e),
-            });
-        }
-        Ok(wr_id)
-    }
-
     /// Posts a signaled SEND of `region[off..off+len]`.
     pub(crate) fn post_send(
         &self,
@@ -783,7 +761,7 @@ impl Qp {
             wr_id,
             InFlight {
                 _mr: op_mr,
-                region: Arc::clone(region),
+                mem: Mem::Region(Arc::clone(region)),
             },
         );
         let res = {
@@ -816,10 +794,126 @@ impl Qp {
         Ok(wr_id)
     }
 
-    /// Releases what a completed work request held; for a receive, returns its region.
-    pub(crate) fn retire(&self, wr_id: u64) -> Option<Arc<Region>> {
+    /// Releases what a completed work request held: returns its memory.
+    pub(crate) fn retire(&self, wr_id: u64) -> Option<Mem> {
         let mut inflight = self.inflight.lock().unwrap_or_else(|p| p.into_inner());
-        inflight.remove(&wr_id).map(|f| f.region)
+        inflight.remove(&wr_id).map(|f| f.mem)
+    }
+
+    fn check_pool(&self, buf: &PoolBuf, len: usize) -> Result<(), RdmaError> {
+        if !Arc::ptr_eq(&buf.region.device, &self.device) {
+            return Err(RdmaError::InvalidArgument(
+                "pool buffer registered on another connection's device/PD".into(),
+            ));
+        }
+        if len > buf.lease.capacity() || len > u32::MAX as usize {
+            return Err(RdmaError::InvalidArgument(format!(
+                "{len} bytes exceed the {}-byte pool buffer",
+                buf.lease.capacity()
+            )));
+        }
+        Ok(())
+    }
+
+    /// Posts a receive into the whole of pool buffer `buf`, which the work request keeps
+    /// (see [`Qp::retire`]); on failure the buffer comes back with the error.
+    pub(crate) fn post_recv_pool(&self, buf: PoolBuf) -> Result<u64, (RdmaError, PoolBuf)> {
+        let len = buf.lease.capacity();
+        if let Err(e) = self.check_pool(&buf, len) {
+            return Err((e, buf));
+        }
+        let (addr, lkey) = (buf.addr(), buf.region.mr.lkey());
+        let wr_id = self.new_wr_id(WrKind::Recv);
+        let mut inflight = self.inflight.lock().unwrap_or_else(|p| p.into_inner());
+        inflight.insert(
+            wr_id,
+            InFlight {
+                _mr: None,
+                mem: Mem::Pool(buf),
+            },
+        );
+        let res = {
+            let mut qp = self.qp.lock().unwrap_or_else(|p| p.into_inner());
+            let mut guard = qp.start_post_recv();
+            let wr = guard.construct_wr(wr_id);
+            // SAFETY: `addr..addr+len` is the buffer's leased range (exclusive to it, inside the
+            // pool region, which its `Arc` keeps allocated and registered); the buffer now sits
+            // in `inflight` until this request is retired or the QP destroyed, so nothing else
+            // reaches those bytes meanwhile; `lkey` is the region's MR (LOCAL_WRITE).
+            unsafe { wr.setup_sge(lkey, addr, len as u32) };
+            guard.post()
+        };
+        if let Err(e) = res {
+            let Some(InFlight {
+                mem: Mem::Pool(buf),
+                ..
+            }) = inflight.remove(&wr_id)
+            else {
+                unreachable!("inserted above")
+            };
+            return Err((
+                RdmaError::Verbs {
+                    op: "ibv_post_recv",
+                    source: Box::new(e),
+                },
+                buf,
+            ));
+        }
+        Ok(wr_id)
+    }
+
+    /// Posts a signaled RDMA READ of `len` bytes at `remote` into pool buffer `buf` (from its
+    /// start), which the work request keeps until it is retired (the completion hands it back)
+    /// or the QP is destroyed: a dropped waiter never frees what the device may still write.
+    pub(crate) fn post_read_pool(
+        &self,
+        mut buf: PoolBuf,
+        len: usize,
+        remote: RemoteAddr,
+    ) -> Result<u64, (RdmaError, PoolBuf)> {
+        if let Err(e) = self.check_pool(&buf, len) {
+            return Err((e, buf));
+        }
+        buf.lease.set_len(len);
+        // the pool MR allows what the sink of a READ needs on this device (REMOTE_WRITE on
+        // iWARP, see `PoolRegion::new`): no registration here
+        let (addr, lkey) = (buf.addr(), buf.region.mr.lkey());
+        let wr_id = self.new_wr_id(WrKind::Read);
+        let mut inflight = self.inflight.lock().unwrap_or_else(|p| p.into_inner());
+        inflight.insert(
+            wr_id,
+            InFlight {
+                _mr: None,
+                mem: Mem::Pool(buf),
+            },
+        );
+        let res = {
+            let mut qp = self.qp.lock().unwrap_or_else(|p| p.into_inner());
+            let mut guard = qp.start_post_send();
+            let wr = guard.construct_wr(wr_id, WorkRequestFlags::Signaled);
+            let local = wr.setup_read(remote.rkey, remote.addr);
+            // SAFETY: as in `post_recv_pool`: the leased range is the buffer's alone, stays
+            // allocated and registered, and the buffer sits in `inflight` until retired.
+            unsafe { local.setup_sge(lkey, addr, len as u32) };
+            guard.post()
+        };
+        if let Err(e) = res {
+            let Some(InFlight {
+                mem: Mem::Pool(buf),
+                ..
+            }) = inflight.remove(&wr_id)
+            else {
+                unreachable!("inserted above")
+            };
+            return Err((
+                RdmaError::Verbs {
+                    op: "ibv_post_send (RDMA READ)",
+                    source: Box::new(e),
+                },
+                buf,
+            ));
+        }
+        Ok(wr_id)
     }
 }
 
@@ -1040,5 +1134,180 @@ impl AsRef<[u8]> for Frozen {
         // nor gives it out, so no work request or exposure can be created for the region and
         // the device cannot write to it: shared, read-only access is sound.
         unsafe { std::slice::from_raw_parts(self.region.ptr.as_ptr(), self.region.len) }
+    }
+}
+
+// ------------------------------------------------------------------------------------------------
+// registered pools
+
+/// One allocation per connection, registered ONCE (when the connection is set up) on the
+/// connection's own protection domain, and carved into buffers by an `rpc_core::pool::Pool`.
+///
+/// Access of its MR: `LOCAL_WRITE`, plus, when `remote` is set, `REMOTE_READ` (the peer pulls
+/// our rendezvous sources) and, on iWARP only, `REMOTE_WRITE` (iWARP places RDMA READ responses
+/// through the sink's STag, which must allow remote writes). The key is only valid on QPs of
+/// the connection's PD, i.e. on this one connection.
+pub(crate) struct PoolRegion {
+    // deregistered in Drop before the memory is freed
+    mr: ManuallyDrop<Arc<MemoryRegion>>,
+    ptr: NonNull<u8>,
+    len: usize,
+    device: Arc<Device>,
+    pool: rpc_core::pool::Pool,
+}
+
+// SAFETY: the region owns its heap memory (like a Box<[u8]>); its bytes are only reached
+// through a `PoolBuf` (an exclusive lease of a range) or a `PoolView` (a frozen lease), never
+// through `&PoolRegion`; the MR handle is Send + Sync (sideway).
+unsafe impl Send for PoolRegion {}
+// SAFETY: shared references give no access to the bytes (only to the keys and the range).
+unsafe impl Sync for PoolRegion {}
+
+impl PoolRegion {
+    pub(crate) fn new(
+        device: &Arc<Device>,
+        pool: rpc_core::pool::Pool,
+        remote: bool,
+    ) -> Result<Arc<PoolRegion>, RdmaError> {
+        let len = pool.region_len();
+        if len == 0 {
+            return Err(RdmaError::InvalidArgument("empty pool".into()));
+        }
+        let mut access = AccessFlags::LocalWrite;
+        if remote {
+            access |= AccessFlags::RemoteRead;
+            if device.transport == Transport::IWarp {
+                access |= AccessFlags::RemoteWrite;
+            }
+        }
+        let boxed: Box<[u8]> = vec![0u8; len].into_boxed_slice();
+        let raw: *mut [u8] = Box::into_raw(boxed);
+        // SAFETY: Box::into_raw never returns null.
+        let ptr = unsafe { NonNull::new_unchecked(raw as *mut u8) };
+        // SAFETY: `ptr..ptr+len` is a live allocation owned by the region being built; it is
+        // freed only in Drop, after the MR was deregistered.
+        let mr = unsafe { device.pd.reg_mr(ptr.as_ptr() as usize, len, access) };
+        match mr {
+            Ok(mr) => Ok(Arc::new(PoolRegion {
+                mr: ManuallyDrop::new(mr),
+                ptr,
+                len,
+                device: Arc::clone(device),
+                pool,
+            })),
+            Err(e) => {
+                // SAFETY: `raw` came from Box::into_raw above and was not registered.
+                drop(unsafe { Box::from_raw(raw) });
+                Err(RdmaError::Verbs {
+                    op: "ibv_reg_mr (pool)",
+                    source: Box::new(e),
+                })
+            }
+        }
+    }
+
+    /// Lends a buffer of at least `len` bytes (its used length set to `len`), or `None`.
+    pub(crate) fn lease(this: &Arc<PoolRegion>, len: usize) -> Option<PoolBuf> {
+        let lease = this.pool.lease(len)?;
+        Some(PoolBuf {
+            lease,
+            region: Arc::clone(this),
+        })
+    }
+
+    pub(crate) fn pool(&self) -> &rpc_core::pool::Pool {
+        &self.pool
+    }
+
+    pub(crate) fn rkey(&self) -> u32 {
+        self.mr.rkey()
+    }
+
+    /// If `bytes` lie inside this region, their address (for the peer): then they are (part
+    /// of) a frozen view handed out by this region, kept alive by whoever holds `bytes`.
+    pub(crate) fn address_of(&self, bytes: &[u8]) -> Option<u64> {
+        let start = self.ptr.as_ptr() as usize;
+        let p = bytes.as_ptr() as usize;
+        (!bytes.is_empty() && p >= start && p + bytes.len() <= start + self.len).then_some(p as u64)
+    }
+}
+
+impl Drop for PoolRegion {
+    fn drop(&mut self) {
+        if Arc::strong_count(&self.mr) != 1 {
+            // Cannot happen (the MR Arc never leaves this module). Leak rather than free memory
+            // that an MR still covers.
+            tracing::error!("transport-rdma: pool MR still referenced at drop; leaking it");
+            return;
+        }
+        // SAFETY: `self.mr` is dropped exactly once, here, and never touched again.
+        unsafe { ManuallyDrop::drop(&mut self.mr) };
+        let raw = std::ptr::slice_from_raw_parts_mut(self.ptr.as_ptr(), self.len);
+        // SAFETY: `raw` is the allocation made by Box::into_raw in `new`; the MR covering it was
+        // just deregistered, and every buffer (posted or not) and view held an Arc of this
+        // region, so none is left.
+        drop(unsafe { Box::from_raw(raw) });
+    }
+}
+
+/// Exclusive use of one buffer of a [`PoolRegion`] (an `rpc_core::pool::Lease` of it). Posting
+/// it moves it into the QP's in-flight table; it returns to the pool when dropped.
+pub(crate) struct PoolBuf {
+    // drop order: the lease goes back to the free list, then the region may go
+    lease: rpc_core::pool::Lease,
+    region: Arc<PoolRegion>,
+}
+
+impl PoolBuf {
+    fn addr(&self) -> u64 {
+        self.region.ptr.as_ptr() as u64 + self.lease.offset() as u64
+    }
+
+    /// Address of the buffer for the peer, and the region's remote key.
+    pub(crate) fn remote(&self) -> (u64, u32) {
+        (self.addr(), self.region.rkey())
+    }
+
+    pub(crate) fn len(&self) -> usize {
+        self.lease.len()
+    }
+
+    /// Sets the used length (at most the capacity).
+    pub(crate) fn set_len(&mut self, len: usize) {
+        self.lease.set_len(len.min(self.lease.capacity()));
+    }
+
+    /// The used bytes, mutably.
+    pub(crate) fn bytes_mut(&mut self) -> &mut [u8] {
+        let (ptr, len) = (self.addr() as *mut u8, self.lease.len());
+        // SAFETY: the lease's range lies inside the region (the pool lays it out within
+        // `region_len`), which this buffer's Arc keeps allocated; the pool lends a range to one
+        // lease at a time, so no other PoolBuf or PoolView covers it; this buffer is not posted
+        // (posting moves it into the QP) and is held by value, so the device does not touch it;
+        // the slice borrows `self` mutably, so it is the only reference. (On iWARP a misbehaving
+        // peer holding the pool's STag could still write here: see the crate docs.)
+        unsafe { std::slice::from_raw_parts_mut(ptr, len) }
+    }
+
+    /// Freezes the buffer: read-only bytes for as long as the view lives, then back to the pool.
+    pub(crate) fn freeze(self) -> PoolView {
+        PoolView { buf: self }
+    }
+}
+
+/// A pool buffer nothing can write any more (no work request holds it; it is never posted
+/// again): read-only bytes, e.g. the owner of a received `Payload`. Returns to the pool when
+/// dropped.
+pub(crate) struct PoolView {
+    buf: PoolBuf,
+}
+
+impl AsRef<[u8]> for PoolView {
+    fn as_ref(&self) -> &[u8] {
+        let (ptr, len) = (self.buf.addr() as *const u8, self.buf.lease.len());
+        // SAFETY: as in `PoolBuf::bytes_mut`, the leased range is this buffer's alone and stays
+        // allocated; `PoolView` owns the buffer and never gives it out nor posts it, so neither
+        // local code nor the device writes to it while shared references exist.
+        unsafe { std::slice::from_raw_parts(ptr, len) }
     }
 }

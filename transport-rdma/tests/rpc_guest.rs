@@ -10,7 +10,9 @@ use std::time::{Duration, Instant};
 use rpc_core::codec::Bincode;
 use rpc_core::server::{self, Reply, Request, Service, ShutdownHandle};
 use rpc_core::{Client, Config, Payload, ServerError};
-use transport_rdma::{devices, RdmaOptions, RdmaRpcListener, RdmaTransport};
+use transport_rdma::{
+    devices, PoolCounts, PoolMonitor, RdmaOptions, RdmaRpcListener, RdmaTransport,
+};
 
 const LIMIT: Duration = Duration::from_secs(240);
 
@@ -40,6 +42,8 @@ struct Blob;
 
 const ECHO: u32 = 1;
 const DIGEST: u32 = 2;
+/// like DIGEST, after holding the payload for half a second
+const HOLD: u32 = 3;
 
 fn fnv64(b: &[u8]) -> u64 {
     b.iter().fold(0xcbf2_9ce4_8422_2325u64, |h, x| {
@@ -54,6 +58,7 @@ impl Service for Blob {
         match m {
             ECHO => Some("Blob.echo"),
             DIGEST => Some("Blob.digest"),
+            HOLD => Some("Blob.hold"),
             _ => None,
         }
     }
@@ -66,6 +71,9 @@ impl Service for Blob {
             }
             _ => {
                 let (p,): (Payload,) = req.decode::<Bincode, _>("Blob.digest")?;
+                if m == HOLD {
+                    tokio::time::sleep(Duration::from_millis(500)).await;
+                }
                 Reply::encode::<Bincode, _>(&(p.len() as u64, fnv64(&p)))
             }
         }
@@ -168,6 +176,124 @@ async fn rpc_calls_eager_and_rendezvous() {
         drop(tcp_client);
         tcp_shutdown.shutdown();
         let _ = tokio::time::timeout(Duration::from_secs(20), tcp_server).await;
+        tokio::time::timeout(Duration::from_secs(20), server)
+            .await
+            .expect("server stops after shutdown")
+            .expect("server task");
+    })
+    .await
+    .expect("test timed out");
+}
+
+/// Waits until the monitor's counters satisfy `ok` (at most 30 s); panics with them otherwise.
+async fn settle(what: &str, mon: &PoolMonitor, ok: impl Fn(&PoolCounts) -> bool) -> PoolCounts {
+    let t0 = Instant::now();
+    loop {
+        let c = mon.counts();
+        if ok(&c) {
+            return c;
+        }
+        if t0.elapsed() > Duration::from_secs(30) {
+            panic!("{what}: pool counters did not settle: {c:?}");
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+/// Every buffer of the registered pools comes back: after ordinary calls (eager and
+/// rendezvous, payloads held and dropped) and after a client dies in the middle of transfers;
+/// received payloads are views of pool buffers; the pools are sized so that no buffer is
+/// registered on the hot path.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn pools_return_every_buffer() {
+    let (dev, addr) = target(20_041);
+    tokio::time::timeout(LIMIT, async move {
+        let config = Config::default();
+        let listener = RdmaRpcListener::bind(addr, config.clone(), RdmaOptions::default()).expect("bind");
+        let server_pools = listener.pool_monitor();
+        let shutdown = ShutdownHandle::new();
+        let server = tokio::spawn(server::serve(listener, Blob, config.clone(), shutdown.clone(), Default::default()));
+
+        // 1. ordinary calls
+        let transport = RdmaTransport::connect(addr, config.clone(), RdmaOptions::default()).await.expect("connect");
+        let pools = transport.pool_monitor();
+        let posted = RdmaOptions::default().recv_slots as u64;
+        let client = Client::new(transport, config.clone());
+        for i in 0..50 {
+            let d = data(64 + i as usize, i);
+            let back: Payload =
+                client.call::<Bincode, _, _>(ECHO, "Blob.echo", &(Payload::from_owner(d.clone()),)).await.expect("echo");
+            assert_eq!(&back[..], &d[..], "eager echo {i}");
+        }
+        let big = data(4 << 20, 42);
+        let back: Payload =
+            client.call::<Bincode, _, _>(ECHO, "Blob.echo", &(Payload::from_owner(big.clone()),)).await.expect("big echo");
+        assert!(back[..] == big[..], "4 MiB echo differs");
+        // the reply we hold is a view of the pool buffer it was read into: one buffer beyond
+        // the posted receive slots is out until we drop it
+        let held = settle("holding a 4 MiB reply", &pools, |c| c.outstanding() == posted + 1).await;
+        drop(back);
+        settle("reply dropped", &pools, |c| c.outstanding() == posted).await;
+        let sizes = [0usize, 1, 100, 7_000, 9_000, 65_536, 300_000, 1 << 20];
+        let calls = (0..32u64).map(|i| {
+            let client = client.clone();
+            let len = sizes[i as usize % sizes.len()];
+            async move {
+                let d = data(len, i);
+                let (l, h): (u64, u64) = client
+                    .call::<Bincode, _, _>(DIGEST, "Blob.digest", &(Payload::from_owner(d.clone()),))
+                    .await
+                    .expect("digest");
+                assert_eq!((l, h), (len as u64, fnv64(&d)), "digest of call {i} ({len} B)");
+            }
+        });
+        futures::future::join_all(calls).await;
+        let during = settle("after concurrent calls", &pools, |c| c.outstanding() == posted).await;
+        assert_eq!(during.fallback_registrations, 0, "a buffer was registered on the hot path: {during:?}");
+        assert_eq!(during.live_regions, 2, "one slot pool and one rendezvous pool per connection");
+        drop(client);
+        let client_end = settle("client closed", &pools, |c| c.outstanding() == 0 && c.live_regions == 0).await;
+        let server_end = settle("server side of the closed client", &server_pools, |c| c.outstanding() == 0 && c.live_regions == 0).await;
+        assert_eq!(server_end.fallback_registrations, 0, "server registered on the hot path: {server_end:?}");
+        println!("device {dev}: pools after ordinary calls: while holding a reply {held:?}; client at the end {client_end:?}; server {server_end:?}");
+
+        // 2. a client that dies with transfers in flight: its runtime is dropped (like a killed
+        // process: its QP is destroyed and the server sees a disconnect), while the server is
+        // still reading its buffers or holding payloads in handlers
+        let config2 = config.clone();
+        let (killed_pools, mid) = std::thread::spawn(move || {
+            let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(1).enable_all().build().expect("runtime");
+            let (pools, mid) = rt.block_on(async move {
+                let transport = RdmaTransport::connect(addr, config2.clone(), RdmaOptions::default()).await.expect("connect");
+                let pools = transport.pool_monitor();
+                let client = Client::new(transport, config2);
+                for (i, len) in [4usize << 20, 1 << 20, 1 << 20, 4 << 20, 1 << 20, 300_000, 1 << 20].into_iter().enumerate() {
+                    let client = client.clone();
+                    tokio::spawn(async move {
+                        let d = data(len, i as u64);
+                        let _: Result<(u64, u64), _> = client.call::<Bincode, _, _>(HOLD, "Blob.hold", &(Payload::from_owner(d),)).await;
+                    });
+                }
+                tokio::spawn(async move {
+                    let _keep = client;
+                    std::future::pending::<()>().await
+                });
+                tokio::time::sleep(Duration::from_millis(20)).await;
+                let mid = pools.counts();
+                (pools, mid)
+            });
+            drop(rt);
+            (pools, mid)
+        })
+        .join()
+        .expect("client thread");
+        assert!(mid.leased > posted, "the killed client had lent buffers: {mid:?}");
+        let killed_end = settle("killed client", &killed_pools, |c| c.outstanding() == 0 && c.live_regions == 0).await;
+        let server_mid = server_pools.counts();
+        let server_end = settle("server side of the killed client", &server_pools, |c| c.outstanding() == 0 && c.live_regions == 0).await;
+        println!("device {dev}: pools around a client killed mid-transfer: client at the kill {mid:?}, after {killed_end:?}; server just after {server_mid:?}, at the end {server_end:?}");
+
+        shutdown.shutdown();
         tokio::time::timeout(Duration::from_secs(20), server)
             .await
             .expect("server stops after shutdown")
