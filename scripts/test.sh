@@ -39,6 +39,6 @@ if [ "${SKIP_RDMA:-0}" = 1 ]; then
   stage "RDMA tests SKIPPED (SKIP_RDMA=1): nothing was tested on RDMA devices"
 else
   stage "RDMA tests in the guest (rxe and siw)"
-  bash scripts/rdma-test.sh
+  bash scripts/rdma-test.sh --example storage-demo
 fi
 stage "all passed"
