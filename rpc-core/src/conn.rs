@@ -22,17 +22,25 @@ pub(crate) type Outbox = mpsc::UnboundedSender<Message>;
 /// Drives a transport's writer: waits for a message, then takes every message already queued,
 /// and flushes once, so that many calls share one system call (or one doorbell).
 ///
+/// When `others_waiting()` says more messages are about to be queued (other calls in flight
+/// whose callers were woken together), it yields once first, so that they join the same write
+/// instead of each costing a system call; with nothing else in flight it writes at once.
+///
 /// Ends when every [`Outbox`] is dropped (after flushing what was queued and closing the
 /// writer) or when writing fails; either way it cancels `closed`.
 pub(crate) async fn write_loop<W>(
     mut writer: W,
     mut rx: mpsc::UnboundedReceiver<Message>,
     closed: CancellationToken,
+    others_waiting: impl Fn() -> bool,
 ) where
     W: Sink<Message, Error = io::Error> + Unpin,
 {
     let result: io::Result<()> = async {
         while let Some(msg) = rx.recv().await {
+            if others_waiting() {
+                tokio::task::yield_now().await;
+            }
             writer.feed(msg).await?;
             while let Ok(msg) = rx.try_recv() {
                 writer.feed(msg).await?;
