@@ -3,40 +3,11 @@
 
 mod suite;
 
-use rdma_rpc::core::wire::{Header, Kind, Message};
+use rdma_rpc::core::wire::Kind;
 use rdma_rpc::{Config, Endpoint};
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
-use tokio::net::TcpStream;
+use tokio::io::AsyncWriteExt;
 
-fn frame(kind: Kind, id: u64, method: u32, body: &[u8]) -> Vec<u8> {
-    let m = Message {
-        header: Header {
-            kind,
-            flags: 0,
-            id,
-            method,
-            aux: 0,
-        },
-        body: bytes::Bytes::copy_from_slice(body),
-        attachments: vec![],
-    };
-    let mut b = bytes::BytesMut::new();
-    m.encode_into(&mut b);
-    b.to_vec()
-}
-
-async fn raw(ep: &Endpoint) -> TcpStream {
-    TcpStream::connect(ep.authority()).await.unwrap()
-}
-
-async fn read_to_close(s: &mut TcpStream) -> Vec<u8> {
-    let mut out = Vec::new();
-    tokio::time::timeout(suite::EVENTUALLY, s.read_to_end(&mut out))
-        .await
-        .expect("server closes the connection")
-        .ok();
-    out
-}
+use suite::raw::{connect as raw, frame, read_to_close};
 
 fn ep() -> Endpoint {
     "tcp://127.0.0.1:0".parse().unwrap()

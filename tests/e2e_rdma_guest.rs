@@ -13,27 +13,4 @@ fn ep() -> Endpoint {
     format!("rdma://{ip}:0?device={dev}").parse().unwrap()
 }
 
-macro_rules! suite_tests {
-    ($($name:ident),* $(,)?) => {$(
-        #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-        async fn $name() {
-            suite::$name(&ep()).await;
-        }
-    )*};
-}
-
-suite_tests!(
-    round_trip_sizes,
-    frame_at_threshold,
-    many_concurrent_calls,
-    deadline,
-    cancellation,
-    handler_panic,
-    unknown_method_and_bad_arguments,
-    client_flow_control,
-    server_flow_control,
-    graceful_shutdown,
-    size_limits,
-    auth_token,
-    reconnect_after_restart,
-);
+transport_suite!(ep);

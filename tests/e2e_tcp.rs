@@ -4,7 +4,7 @@ mod suite;
 
 use std::time::Duration;
 
-use rdma_rpc::core::wire::{Header, Kind, Message, HEADER_LEN};
+use rdma_rpc::core::wire::{Kind, Message, HEADER_LEN};
 use rdma_rpc::{Config, Endpoint, RpcError, ServerErrorKind};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
@@ -15,30 +15,9 @@ fn ep() -> Endpoint {
     "tcp://127.0.0.1:0".parse().unwrap()
 }
 
-macro_rules! suite_tests {
-    ($($name:ident),* $(,)?) => {$(
-        #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-        async fn $name() {
-            suite::$name(&ep()).await;
-        }
-    )*};
-}
+transport_suite!(ep);
 
-suite_tests!(
-    round_trip_sizes,
-    frame_at_threshold,
-    many_concurrent_calls,
-    deadline,
-    cancellation,
-    handler_panic,
-    unknown_method_and_bad_arguments,
-    client_flow_control,
-    server_flow_control,
-    graceful_shutdown,
-    size_limits,
-    auth_token,
-    reconnect_after_restart,
-);
+use suite::raw::{connect as raw, frame, read_to_close};
 
 /// Without the greeting, a raw peer's request never reaches a handler on a server that
 /// requires a token.
@@ -64,20 +43,6 @@ async fn unauthenticated_raw_request_runs_no_handler() {
         "a handler ran"
     );
     srv.shutdown.shutdown();
-}
-
-async fn raw(ep: &Endpoint) -> TcpStream {
-    TcpStream::connect(ep.authority()).await.unwrap()
-}
-
-/// Reads until the server closes the connection; returns what it sent.
-async fn read_to_close(s: &mut TcpStream) -> Vec<u8> {
-    let mut out = Vec::new();
-    tokio::time::timeout(EVENTUALLY, s.read_to_end(&mut out))
-        .await
-        .expect("server closes the connection")
-        .ok();
-    out
 }
 
 fn decode_all(mut bytes: &[u8]) -> Vec<Message> {
@@ -119,23 +84,6 @@ async fn greet(s: &mut TcpStream) {
     let mut token = vec![0u8; len];
     s.read_exact(&mut token).await.unwrap();
     s.write_all(&frame(Kind::Hello, 0, 0, &[])).await.unwrap();
-}
-
-fn frame(kind: Kind, id: u64, method: u32, body: &[u8]) -> Vec<u8> {
-    let m = Message {
-        header: Header {
-            kind,
-            flags: 0,
-            id,
-            method,
-            aux: 0,
-        },
-        body: bytes::Bytes::copy_from_slice(body),
-        attachments: vec![],
-    };
-    let mut b = bytes::BytesMut::new();
-    m.encode_into(&mut b);
-    b.to_vec()
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

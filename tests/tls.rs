@@ -232,8 +232,13 @@ async fn plain_client_is_refused_by_tls_server() {
     // Raw rdma-rpc frames: a greeting and a request for a handler.
     let mut raw = TcpStream::connect(("127.0.0.1", port)).await.unwrap();
     let block = rdma_rpc::__private::method_id("Probe.block");
-    let mut bytes = frame(rdma_rpc::core::wire::Kind::Hello, 0, 0);
-    bytes.extend(frame(rdma_rpc::core::wire::Kind::Request, 1, block));
+    let mut bytes = suite::raw::frame(rdma_rpc::core::wire::Kind::Hello, 0, 0, &[1]);
+    bytes.extend(suite::raw::frame(
+        rdma_rpc::core::wire::Kind::Request,
+        1,
+        block,
+        &[1],
+    ));
     raw.write_all(&bytes).await.unwrap();
     let mut answer = Vec::new();
     tokio::time::timeout(EVENTUALLY, raw.read_to_end(&mut answer))
@@ -252,24 +257,6 @@ async fn plain_client_is_refused_by_tls_server() {
     drop(silent);
     no_handler_ran(&srv).await;
     stop(srv).await;
-}
-
-fn frame(kind: rdma_rpc::core::wire::Kind, id: u64, method: u32) -> Vec<u8> {
-    use rdma_rpc::core::wire::{Header, Message};
-    let m = Message {
-        header: Header {
-            kind,
-            flags: 0,
-            id,
-            method,
-            aux: 0,
-        },
-        body: bytes::Bytes::from_static(&[1]),
-        attachments: vec![],
-    };
-    let mut b = bytes::BytesMut::new();
-    m.encode_into(&mut b);
-    b.to_vec()
 }
 
 /// A client that does not trust the server's CA, or expects another name, refuses it with

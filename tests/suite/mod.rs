@@ -49,32 +49,100 @@ pub struct Probes {
 impl Probes {
     /// Waits for handler `tag` to start.
     pub async fn started(&self, tag: u64) {
-        let mut rx = self.started.lock().await;
-        tokio::time::timeout(EVENTUALLY, async {
-            while let Some(t) = rx.recv().await {
-                if t == tag {
-                    return;
-                }
-            }
-            panic!("server gone");
-        })
-        .await
-        .unwrap_or_else(|_| panic!("handler {tag} never started"));
+        wait_for(&self.started, tag, "started").await
     }
 
     /// Waits for handler `tag` to be dropped before it finished (cancelled or past deadline).
     pub async fn dropped(&self, tag: u64) {
-        let mut rx = self.dropped.lock().await;
-        tokio::time::timeout(EVENTUALLY, async {
-            while let Some(t) = rx.recv().await {
-                if t == tag {
-                    return;
-                }
+        wait_for(&self.dropped, tag, "was dropped").await
+    }
+}
+
+async fn wait_for(events: &Mutex<mpsc::UnboundedReceiver<u64>>, tag: u64, what: &str) {
+    let mut rx = events.lock().await;
+    let seen = tokio::time::timeout(EVENTUALLY, async {
+        while let Some(t) = rx.recv().await {
+            if t == tag {
+                return true;
             }
-            panic!("server gone");
-        })
-        .await
-        .unwrap_or_else(|_| panic!("handler {tag} was never dropped"));
+        }
+        false
+    })
+    .await;
+    assert_eq!(
+        seen,
+        Ok(true),
+        "handler {tag} never {what} (or the server is gone)"
+    );
+}
+
+/// Defines one `#[tokio::test]` per suite function, each run against the endpoint `$ep()`
+/// gives, so that every transport runs the same list.
+#[macro_export]
+macro_rules! transport_suite {
+    ($ep:ident) => {
+        $crate::transport_suite!(@tests $ep;
+            round_trip_sizes,
+            frame_at_threshold,
+            many_concurrent_calls,
+            deadline,
+            cancellation,
+            handler_panic,
+            unknown_method_and_bad_arguments,
+            client_flow_control,
+            server_flow_control,
+            graceful_shutdown,
+            size_limits,
+            auth_token,
+            reconnect_after_restart,
+        );
+    };
+    (@tests $ep:ident; $($name:ident),* $(,)?) => {$(
+        #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+        async fn $name() {
+            suite::$name(&$ep()).await;
+        }
+    )*};
+}
+
+/// Raw frames over a plain TCP socket, for feeding a server what the client never sends.
+pub mod raw {
+    use rdma_rpc::core::wire::{Header, Kind, Message};
+    use rdma_rpc::Endpoint;
+    use tokio::io::AsyncReadExt;
+    use tokio::net::TcpStream;
+
+    /// One frame with `body` and no attachments.
+    pub fn frame(kind: Kind, id: u64, method: u32, body: &[u8]) -> Vec<u8> {
+        let m = Message {
+            header: Header {
+                kind,
+                flags: 0,
+                id,
+                method,
+                aux: 0,
+            },
+            body: bytes::Bytes::copy_from_slice(body),
+            attachments: vec![],
+        };
+        let mut b = bytes::BytesMut::new();
+        m.encode_into(&mut b);
+        b.to_vec()
+    }
+
+    /// A plain TCP connection to the endpoint's address.
+    pub async fn connect(ep: &Endpoint) -> TcpStream {
+        TcpStream::connect(ep.authority()).await.unwrap()
+    }
+
+    /// Reads until the server closes the connection; returns what it sent.
+    pub async fn read_to_close(s: &mut TcpStream) -> Vec<u8> {
+        let mut out = Vec::new();
+        tokio::time::timeout(super::EVENTUALLY, s.read_to_end(&mut out))
+            .await
+            .expect("server closes the connection")
+            .ok();
+        out
     }
 }
 
