@@ -34,7 +34,9 @@ use std::task::{Context, Poll};
 use bytes::BytesMut;
 use futures::channel::mpsc as fmpsc;
 use futures::{SinkExt, Stream, StreamExt};
-use rpc_core::rendezvous::{refuse, Credits, Direction, Packet, Plan, Segment, Transfers};
+use rpc_core::rendezvous::{
+    refuse, Credits, Direction, Packet, Plan, Segment, Transfers, PACKET_HEADER_LEN,
+};
 use rpc_core::wire::{Limits, Message};
 use rpc_core::{Config, Payload};
 use tokio::sync::{mpsc, Notify};
@@ -386,7 +388,7 @@ impl Engine {
             let notified = self.credit_changed.notified();
             tokio::pin!(notified);
             notified.as_mut().enable();
-            let out = {
+            let (out, credit_return) = {
                 let mut p = lock(&self.proto);
                 let ok = if data {
                     p.credits.can_send()
@@ -399,13 +401,27 @@ impl Engine {
                     if let Some(f) = encode.take() {
                         f(&mut out, credits);
                     }
-                    Some(out)
+                    (Some(out), None)
+                } else if data && p.credits.should_return() {
+                    // Blocked on data credit while owing the peer half a window: return it now,
+                    // with the credit kept for this, or both sides could wait on each other
+                    // forever (each one's credits ride only on the other's data).
+                    let credits = p.credits.take().unwrap_or(0);
+                    let mut out = BytesMut::with_capacity(PACKET_HEADER_LEN);
+                    Packet::encode_control(&mut out, credits, &Packet::Credit);
+                    (None, Some(out))
                 } else {
-                    None
+                    (None, None)
                 }
             };
             if let Some(out) = out {
                 return self.conn.start_send(&out).await;
+            }
+            if let Some(ret) = credit_return {
+                // The send loop keeps a send slot free for the packet it is handling: use it
+                // and give it back before sending the data.
+                self.conn.start_send(&ret).await?.wait().await?;
+                continue;
             }
             if self.conn.is_closed() {
                 return Err(RdmaError::Closed(Some("waiting for send credits".into())));
