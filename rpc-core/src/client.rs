@@ -102,8 +102,9 @@ impl Client {
     /// an [`auth_token`](Config::auth_token), in-process transports and tests.
     pub fn new<T: Transport>(transport: T, config: Config) -> Client {
         let peer = transport.peer();
+        let coalesce = transport.coalesce_writes();
         let (reader, writer) = transport.split();
-        Client::start(reader, writer, peer, config)
+        Client::start(reader, writer, peer, config, coalesce)
     }
 
     /// Greets the server (presenting [`Config::auth_token`] if set), waits for its answer
@@ -113,6 +114,7 @@ impl Client {
     pub async fn handshake<T: Transport>(transport: T, config: Config) -> Result<Client, RpcError> {
         use futures::{SinkExt, StreamExt};
         let peer = transport.peer();
+        let coalesce = transport.coalesce_writes();
         let (mut reader, mut writer) = transport.split();
         let token = config
             .auth_token
@@ -138,7 +140,7 @@ impl Client {
             })??;
         match answer {
             Some(m) if m.header.kind == Kind::Hello => {
-                Ok(Client::start(reader, writer, peer, config))
+                Ok(Client::start(reader, writer, peer, config, coalesce))
             }
             Some(m) if m.header.kind == Kind::Response && m.header.aux != 0 => {
                 Err(RpcError::Server(ServerError::new(
@@ -154,7 +156,7 @@ impl Client {
         }
     }
 
-    fn start<R, W>(reader: R, writer: W, peer: String, config: Config) -> Client
+    fn start<R, W>(reader: R, writer: W, peer: String, config: Config, coalesce: bool) -> Client
     where
         R: futures::Stream<Item = std::io::Result<Message>> + Send + Unpin + 'static,
         W: futures::Sink<Message, Error = std::io::Error> + Send + Unpin + 'static,
@@ -168,7 +170,7 @@ impl Client {
         let span = tracing::info_span!("rpc_client", peer = %peer);
         let window = config.max_in_flight.min(Semaphore::MAX_PERMITS);
         let busy = state.clone();
-        let others_waiting = move || busy.credits.available_permits() + 1 < window;
+        let others_waiting = move || coalesce && busy.credits.available_permits() + 1 < window;
         tokio::spawn(
             write_loop(writer, rx, state.closed.clone(), others_waiting).instrument(span.clone()),
         );

@@ -37,6 +37,13 @@ pub trait Transport: Send + 'static {
     /// The peer's address, for logs.
     fn peer(&self) -> String;
 
+    /// Whether the client's writer should wait one scheduling turn for other calls' frames
+    /// before writing, when calls are in flight, so that they share one write. Worth it where a
+    /// write is a system call (TCP). The default is off.
+    fn coalesce_writes(&self) -> bool {
+        false
+    }
+
     /// Completes the server side of an accepted connection (a TLS handshake, say). Servers
     /// call it in the connection's own task, bounded by `connect_timeout`, so a slow peer
     /// cannot hold up accepting others. The default does nothing.

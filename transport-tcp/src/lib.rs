@@ -177,6 +177,11 @@ impl Transport for TcpTransport {
         )
     }
 
+    fn coalesce_writes(&self) -> bool {
+        // A write is a system call: batching calls into one `writev` is the big win.
+        true
+    }
+
     fn peer(&self) -> String {
         self.peer.clone()
     }
