@@ -53,9 +53,20 @@ fn nest<E: de::Error, R>(depth: &Cell<usize>, f: impl FnOnce() -> Result<R, E>) 
 macro_rules! forward_deserialize {
     ($($method:ident),*) => {$(
         fn $method<V: Visitor<'de>>(self, visitor: V) -> Result<V::Value, D::Error> {
-            self.inner.$method(GuardVisitor { inner: visitor, depth: self.depth })
+            let v = self.wrap(visitor);
+            self.inner.$method(v)
         }
     )*};
+}
+
+impl<'a, D> Guard<'a, D> {
+    /// `visitor`, counting nesting against this deserializer's depth.
+    fn wrap<V>(&self, visitor: V) -> GuardVisitor<'a, V> {
+        GuardVisitor {
+            inner: visitor,
+            depth: self.depth,
+        }
+    }
 }
 
 impl<'de, D: Deserializer<'de>> Deserializer<'de> for Guard<'_, D> {
@@ -94,10 +105,7 @@ impl<'de, D: Deserializer<'de>> Deserializer<'de> for Guard<'_, D> {
         name: &'static str,
         visitor: V,
     ) -> Result<V::Value, D::Error> {
-        let v = GuardVisitor {
-            inner: visitor,
-            depth: self.depth,
-        };
+        let v = self.wrap(visitor);
         self.inner.deserialize_unit_struct(name, v)
     }
 
@@ -106,10 +114,7 @@ impl<'de, D: Deserializer<'de>> Deserializer<'de> for Guard<'_, D> {
         name: &'static str,
         visitor: V,
     ) -> Result<V::Value, D::Error> {
-        let v = GuardVisitor {
-            inner: visitor,
-            depth: self.depth,
-        };
+        let v = self.wrap(visitor);
         self.inner.deserialize_newtype_struct(name, v)
     }
 
@@ -118,10 +123,7 @@ impl<'de, D: Deserializer<'de>> Deserializer<'de> for Guard<'_, D> {
         len: usize,
         visitor: V,
     ) -> Result<V::Value, D::Error> {
-        let v = GuardVisitor {
-            inner: visitor,
-            depth: self.depth,
-        };
+        let v = self.wrap(visitor);
         self.inner.deserialize_tuple(len, v)
     }
 
@@ -131,10 +133,7 @@ impl<'de, D: Deserializer<'de>> Deserializer<'de> for Guard<'_, D> {
         len: usize,
         visitor: V,
     ) -> Result<V::Value, D::Error> {
-        let v = GuardVisitor {
-            inner: visitor,
-            depth: self.depth,
-        };
+        let v = self.wrap(visitor);
         self.inner.deserialize_tuple_struct(name, len, v)
     }
 
@@ -144,10 +143,7 @@ impl<'de, D: Deserializer<'de>> Deserializer<'de> for Guard<'_, D> {
         fields: &'static [&'static str],
         visitor: V,
     ) -> Result<V::Value, D::Error> {
-        let v = GuardVisitor {
-            inner: visitor,
-            depth: self.depth,
-        };
+        let v = self.wrap(visitor);
         self.inner.deserialize_struct(name, fields, v)
     }
 
@@ -157,10 +153,7 @@ impl<'de, D: Deserializer<'de>> Deserializer<'de> for Guard<'_, D> {
         variants: &'static [&'static str],
         visitor: V,
     ) -> Result<V::Value, D::Error> {
-        let v = GuardVisitor {
-            inner: visitor,
-            depth: self.depth,
-        };
+        let v = self.wrap(visitor);
         self.inner.deserialize_enum(name, variants, v)
     }
 
