@@ -13,15 +13,10 @@ fn ep() -> Endpoint {
     format!("rdma://{ip}:0?device={dev}").parse().unwrap()
 }
 
-// The whole suite but `many_concurrent_calls` (10,000 calls at once on one connection), which
-// fails on RDMA today, for two reasons that are open bugs in transport-rdma (issue 3): on siw
-// the transport lets a packet arrive without send credit, which rpc-core's credit check rightly
-// refuses, closing the connection; on rxe the connection stalls until keep-alive closes it.
-// Concurrency on RDMA is covered meanwhile by transport-rdma's `rpc_guest` (48 concurrent
-// mixed-size calls). Put it back into this list when the transport is fixed.
 transport_suite!(@tests ep;
     round_trip_sizes,
     frame_at_threshold,
+    many_concurrent_calls,
     deadline,
     cancellation,
     handler_panic,

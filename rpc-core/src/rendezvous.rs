@@ -483,8 +483,15 @@ impl Plan {
     }
 }
 
-/// Send credits: how many SENDs the peer's posted receive slots can take, and how many of our
-/// own reposted slots we owe the peer.
+/// Send credits: how many SENDs the peer's posted receive slots can take, and how many slots we
+/// owe the peer.
+///
+/// A packet received holds its slot's credit until the transport has handed it on
+/// ([`Credits::on_slot_reposted`]): only then is the credit owed back to the peer. So the
+/// packets a receiver has taken in but not yet consumed are bounded by the window, and a reader
+/// that falls behind slows the peer down instead of queueing without bound. The receiver must
+/// keep taking packets in (and their piggybacked credits) while its reader is behind, or two
+/// peers that both wait for the other's credits would stop for good.
 ///
 /// One credit is kept back for packets that only return credits, so two peers that both ran
 /// out can always tell each other about freed slots: a data packet needs two credits, a pure
@@ -493,6 +500,8 @@ impl Plan {
 pub struct Credits {
     available: u32,
     owed: u32,
+    /// received, not yet consumed: neither usable by the peer nor owed to it
+    held: u32,
     slots: u32,
 }
 
@@ -503,6 +512,7 @@ impl Credits {
         Credits {
             available: slots,
             owed: 0,
+            held: 0,
             slots,
         }
     }
@@ -529,11 +539,12 @@ impl Credits {
         Some(back as u16)
     }
 
-    /// A packet arrived (consuming one of our slots) returning `credits` of the peer's.
+    /// A packet arrived (taking one of our slots) returning `credits` of the peer's. Its slot's
+    /// credit is held until [`Credits::on_slot_reposted`].
     pub fn on_receive(&mut self, credits: u16) -> Result<(), ProtocolViolation> {
-        // Every slot is already owed back: the peer sent with no credit, so this packet landed
-        // in no posted slot it was allowed to use.
-        if self.owed >= self.slots {
+        // Every slot is held or already owed back: the peer sent with no credit, so this
+        // packet landed in no slot it was allowed to use.
+        if self.owed + self.held >= self.slots {
             return Err(ProtocolViolation::NoCredit);
         }
         let available = self.available + credits as u32;
@@ -541,13 +552,21 @@ impl Credits {
             return Err(ProtocolViolation::NoCredit);
         }
         self.available = available;
+        self.held += 1;
         Ok(())
     }
 
-    /// We reposted a receive slot: owe the peer one credit.
+    /// A received packet was consumed and its slot is posted again: owe the peer one credit.
     pub fn on_slot_reposted(&mut self) {
+        debug_assert!(self.held > 0, "more packets consumed than received");
+        self.held = self.held.saturating_sub(1);
         self.owed += 1;
         debug_assert!(self.owed <= self.slots);
+    }
+
+    /// Packets received and not yet consumed.
+    pub fn held(&self) -> u32 {
+        self.held
     }
 
     /// Credits available now.

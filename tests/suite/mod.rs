@@ -100,9 +100,20 @@ macro_rules! transport_suite {
     (@tests $ep:ident; $($name:ident),* $(,)?) => {$(
         #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
         async fn $name() {
+            suite::log_from_env();
             suite::$name(&$ep()).await;
         }
     )*};
+}
+
+/// Logs to the test's output as `RUST_LOG` says (nothing when it is unset).
+pub fn log_from_env() {
+    if std::env::var_os("RUST_LOG").is_some() {
+        let _ = tracing_subscriber::fmt()
+            .with_env_filter(tracing_subscriber::EnvFilter::from_default_env())
+            .with_test_writer()
+            .try_init();
+    }
 }
 
 /// Raw frames over a plain TCP socket, for feeding a server what the client never sends.

@@ -196,11 +196,12 @@ impl rpc_core::Transport for RdmaTransport {
                 tracing::error!(
                     "transport-rdma: split() of an accepted connection before establish()"
                 );
-                let (_, in_rx) = fmpsc::channel(1);
+                let (_, in_rx) = mpsc::unbounded_channel();
                 let (msg_tx, _) = fmpsc::channel(1);
                 return (
                     RdmaReader {
                         rx: in_rx,
+                        engine: None,
                         _close: None,
                     },
                     RdmaWriter {
@@ -226,13 +227,16 @@ impl rpc_core::Transport for RdmaTransport {
             eager_threshold: self.config.eager_threshold,
         });
         let (msg_tx, msg_rx) = fmpsc::channel(64);
-        let (in_tx, in_rx) = fmpsc::channel(64);
+        // Unbounded, yet at most `slots` messages: a delivered message holds its slot's credit
+        // until the reader takes it (see `receive_loop`).
+        let (in_tx, in_rx) = mpsc::unbounded_channel();
         tokio::spawn(receive_loop(Arc::clone(&engine), in_tx));
         tokio::spawn(send_loop(Arc::clone(&engine), msg_rx, ctl_rx));
-        let closer = Arc::new(CloseOnDrop(engine));
+        let closer = Arc::new(CloseOnDrop(Arc::clone(&engine)));
         (
             RdmaReader {
                 rx: in_rx,
+                engine: Some(engine),
                 _close: Some(Arc::clone(&closer)),
             },
             RdmaWriter {
@@ -264,7 +268,8 @@ impl rpc_core::Transport for RdmaTransport {
 
 /// Receiving half of an [`RdmaTransport`].
 pub struct RdmaReader {
-    rx: fmpsc::Receiver<io::Result<Message>>,
+    rx: mpsc::UnboundedReceiver<io::Result<Message>>,
+    engine: Option<Arc<Engine>>,
     _close: Option<Arc<CloseOnDrop>>,
 }
 
@@ -272,7 +277,12 @@ impl Stream for RdmaReader {
     type Item = io::Result<Message>;
 
     fn poll_next(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Self::Item>> {
-        self.rx.poll_next_unpin(cx)
+        let item = self.rx.poll_recv(cx);
+        if let (Poll::Ready(Some(Ok(_))), Some(engine)) = (&item, &self.engine) {
+            // taken: the message's slot credit goes back to the peer
+            engine.release();
+        }
+        item
     }
 }
 
@@ -371,6 +381,18 @@ fn lock(m: &Mutex<Proto>) -> std::sync::MutexGuard<'_, Proto> {
 }
 
 impl Engine {
+    /// A received packet was consumed: owe the peer its credit, and return a half window.
+    fn release(&self) {
+        let mut p = lock(&self.proto);
+        p.credits.on_slot_reposted();
+        if p.credits.should_return() {
+            let _ = self.ctl_tx.send(Ctl::Credit);
+        }
+        drop(p);
+        // a send loop blocked on data credit may now return what it owes
+        self.credit_changed.notify_waiters();
+    }
+
     fn shutdown(&self) {
         self.conn.close();
         let _ = self.ctl_tx.send(Ctl::Shutdown);
@@ -535,7 +557,19 @@ fn violation(v: rpc_core::rendezvous::ProtocolViolation) -> io::Error {
 }
 
 /// Receives packets: credits, deliveries, rendezvous reads, transfer bookkeeping.
-async fn receive_loop(engine: Arc<Engine>, mut deliver: fmpsc::Sender<io::Result<Message>>) {
+///
+/// It never waits for the reader: the credits piggybacked on packets queued behind a message
+/// the reader has not taken yet may be exactly what our own send loop waits for, and the
+/// reader may be waiting for that send loop (a server answering calls). Instead, a delivered
+/// message keeps its slot's credit until the reader takes it ([`Engine::release`]), so the
+/// peer can never get more than a window of messages ahead of the reader.
+async fn receive_loop(engine: Arc<Engine>, deliver: mpsc::UnboundedSender<io::Result<Message>>) {
+    // a message for the reader, or (the reader is gone) the credit straight back
+    let hand_on = |msg: Message| {
+        if deliver.send(Ok(msg)).is_err() {
+            engine.release();
+        }
+    };
     let end: Option<io::Error> = loop {
         let data = match engine.conn.recv_bytes().await {
             Ok(Some(d)) => d,
@@ -551,22 +585,21 @@ async fn receive_loop(engine: Arc<Engine>, mut deliver: fmpsc::Sender<io::Result
             if let Err(v) = p.credits.on_receive(credits) {
                 break Some(violation(v));
             }
-            // RdmaConnection::recv reposted the slot already
-            p.credits.on_slot_reposted();
-            if p.credits.should_return() {
-                let _ = engine.ctl_tx.send(Ctl::Credit);
-            }
         }
-        engine.credit_changed.notify_waiters();
+        // RdmaConnection::recv_bytes reposted the slot already; a message's credit goes back
+        // when the reader takes it, a control packet's now
+        let message = matches!(packet, Packet::Eager(_) | Packet::PullRts { .. });
+        if !message {
+            engine.release();
+        } else {
+            engine.credit_changed.notify_waiters();
+        }
         match packet {
-            Packet::Eager(msg) => {
-                // a dropped reader still lets control packets through
-                let _ = deliver.send(Ok(msg)).await;
-            }
+            Packet::Eager(msg) => hand_on(msg),
             Packet::PullRts { id, head, segments } => match engine.pull(&segments).await {
                 Ok(payloads) => {
                     let _ = engine.ctl_tx.send(Ctl::Fin(id));
-                    let _ = deliver.send(Ok(head.into_message(payloads))).await;
+                    hand_on(head.into_message(payloads));
                 }
                 Err(e) => break Some(to_io(e)),
             },
@@ -598,7 +631,7 @@ async fn receive_loop(engine: Arc<Engine>, mut deliver: fmpsc::Sender<io::Result
     };
     if let Some(e) = end {
         tracing::debug!("transport-rdma: connection ends: {e}");
-        let _ = deliver.send(Err(e)).await;
+        let _ = deliver.send(Err(e));
     }
     engine.shutdown();
     // the connection is closed (QP in the error state): the device no longer reads our

@@ -199,14 +199,37 @@ fn credits_never_overrun_and_always_return() {
     assert!(a.take().is_none());
     // Returning more than the window is a violation.
     assert_eq!(a.on_receive(5), Err(ProtocolViolation::NoCredit));
-    a.on_receive(4).unwrap();
+    a.on_receive(3).unwrap();
+    a.on_receive(1).unwrap();
     assert_eq!(a.available(), 4);
+    assert_eq!(a.held(), 2);
+    assert!(!a.should_return(), "held packets are not owed yet");
     for _ in 0..2 {
         a.on_slot_reposted();
     }
+    assert_eq!(a.held(), 0);
     assert!(a.should_return());
     assert_eq!(a.take(), Some(2));
     assert_eq!(a.owed(), 0);
+}
+
+/// Packets received but not yet consumed count against the window: a peer cannot push more
+/// than `slots` messages past a reader that has stopped.
+#[test]
+fn held_packets_bound_what_the_peer_may_send() {
+    let mut me = Credits::new(4);
+    for _ in 0..4 {
+        me.on_receive(0).unwrap();
+    }
+    assert_eq!(me.held(), 4);
+    assert_eq!(me.owed(), 0);
+    assert_eq!(me.on_receive(0), Err(ProtocolViolation::NoCredit));
+    // The reader takes one: its credit is owed back, still no room for the peer until returned.
+    me.on_slot_reposted();
+    assert_eq!(me.on_receive(0), Err(ProtocolViolation::NoCredit));
+    assert_eq!(me.take(), Some(1));
+    me.on_receive(0).unwrap();
+    assert_eq!(me.held(), 4);
 }
 
 /// Found by the fuzzer (fuzz/regressions/rendezvous/): a peer that keeps sending after its
