@@ -7,11 +7,15 @@
 use std::net::{IpAddr, SocketAddr};
 use std::time::{Duration, Instant};
 
-use rpc_core::codec::Bincode;
+use bytes::BytesMut;
+use rpc_core::codec::{Bincode, Codec};
+use rpc_core::rendezvous::{Packet, Segment};
 use rpc_core::server::{self, Reply, Request, Service, ShutdownHandle};
+use rpc_core::wire::{Header, Kind, Message};
 use rpc_core::{Client, Config, Payload, ServerError};
 use transport_rdma::{
-    devices, PoolCounts, PoolMonitor, RdmaOptions, RdmaRpcListener, RdmaTransport,
+    devices, PoolCounts, PoolMonitor, RdmaConnection, RdmaOptions, RdmaRpcListener, RdmaTransport,
+    RemoteAccess, RemoteToken,
 };
 
 const LIMIT: Duration = Duration::from_secs(240);
@@ -293,6 +297,170 @@ async fn pools_return_every_buffer() {
         let server_end = settle("server side of the killed client", &server_pools, |c| c.outstanding() == 0 && c.live_regions == 0).await;
         println!("device {dev}: pools around a client killed mid-transfer: client at the kill {mid:?}, after {killed_end:?}; server just after {server_mid:?}, at the end {server_end:?}");
 
+        shutdown.shutdown();
+        tokio::time::timeout(Duration::from_secs(20), server)
+            .await
+            .expect("server stops after shutdown")
+            .expect("server task");
+    })
+    .await
+    .expect("test timed out");
+}
+
+/// A hostile peer speaking the packet protocol by hand on a bare [`RdmaConnection`].
+struct Raw {
+    conn: RdmaConnection,
+}
+
+impl Raw {
+    async fn connect(addr: SocketAddr) -> Raw {
+        let conn = RdmaConnection::connect(addr, RdmaOptions::default())
+            .await
+            .expect("raw connect");
+        Raw { conn }
+    }
+
+    /// Announces a `Blob.echo` request whose payload is "at" `segment` (whatever it claims).
+    async fn announce_echo(&self, id: u64, segment: Segment) {
+        let mut header = Header::new(Kind::Request, id);
+        header.method = ECHO;
+        // the arguments `(Payload,)`: the payload is attachment 0
+        let mut body = Vec::new();
+        <Bincode as Codec>::encode(&(0u32,), &mut body).expect("encode");
+        let msg = Message {
+            header,
+            body: body.into(),
+            attachments: vec![Payload::from_owner(vec![0u8; segment.len as usize])],
+        };
+        let mut out = BytesMut::new();
+        Packet::encode_pull_rts(&mut out, 0, id, &msg, &[segment]);
+        self.conn.send(&out).await.expect("raw send");
+    }
+
+    /// The next packet from the server, `None` once the server closed this connection.
+    async fn next(&self) -> Option<Packet> {
+        let limits = Config::default().limits();
+        match self.conn.recv_bytes().await {
+            Ok(Some(b)) => Some(
+                Packet::parse(b, &limits)
+                    .expect("the server sends valid packets")
+                    .0,
+            ),
+            Ok(None) | Err(_) => None,
+        }
+    }
+
+    /// Waits until the server has dropped this connection (packets before that are ignored).
+    async fn dropped_by_server(&self, what: &str) {
+        tokio::time::timeout(Duration::from_secs(60), async {
+            while self.next().await.is_some() {}
+        })
+        .await
+        .unwrap_or_else(|_| panic!("{what}: the server did not close the offending connection"));
+    }
+}
+
+/// A peer that forges or steals remote keys, addresses or lengths gets an error on its own
+/// connection; the server, its memory and its other clients go on (issue 5, "Security").
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn forged_keys_hurt_only_their_own_connection() {
+    let (dev, addr) = target(20_061);
+    tokio::time::timeout(LIMIT, async move {
+        let config = Config::default();
+        let listener = RdmaRpcListener::bind(addr, config.clone(), RdmaOptions::default()).expect("bind");
+        let server_pools = listener.pool_monitor();
+        let shutdown = ShutdownHandle::new();
+        let server = tokio::spawn(server::serve(listener, Blob, config.clone(), shutdown.clone(), Default::default()));
+        let good = Client::new(
+            RdmaTransport::connect(addr, config.clone(), RdmaOptions::default()).await.expect("connect"),
+            config.clone(),
+        );
+        let mut round = 0u64;
+        let mut good_calls = || {
+            round += 1;
+            let good = good.clone();
+            let seed = round;
+            async move {
+                for len in [64usize, 64 << 10] {
+                    let d = data(len, seed);
+                    let back: Payload = good
+                        .call::<Bincode, _, _>(ECHO, "Blob.echo", &(Payload::from_owner(d.clone()),))
+                        .await
+                        .expect("the well-behaved client's call");
+                    assert!(back[..] == d[..], "echo of {len} B differs");
+                }
+            }
+        };
+        good_calls().await;
+
+        // 1. an address and key out of thin air: the server's READ fails, on that connection
+        let forger = Raw::connect(addr).await;
+        forger.announce_echo(1, Segment { addr: 0x7f00_dead_0000, len: 64 << 10, rkey: 0x00c0_ffee }).await;
+        forger.dropped_by_server("forged address and key").await;
+        good_calls().await;
+
+        // 2. a real buffer and key, a length past its end
+        let liar = Raw::connect(addr).await;
+        let mut small = liar.conn.alloc_buffer(4096).expect("alloc");
+        small.bytes_mut().expect("bytes").fill(7);
+        let exposed = small.expose(RemoteAccess::Read).expect("expose");
+        let t = exposed.token();
+        liar.announce_echo(1, Segment { addr: t.addr, len: 1 << 20, rkey: t.rkey }).await;
+        liar.dropped_by_server("length past the exposed buffer").await;
+        good_calls().await;
+
+        // 3. a key the server lent to another connection: an honest call gets the server's
+        //    buffer key for its echoed payload; another connection cannot use it
+        let honest = Raw::connect(addr).await;
+        let sent = data(64 << 10, 99);
+        let mut src = honest.conn.alloc_buffer(sent.len()).expect("alloc");
+        src.bytes_mut().expect("bytes").copy_from_slice(&sent);
+        let src_exposed = src.expose(RemoteAccess::Read).expect("expose");
+        let t = src_exposed.token();
+        honest.announce_echo(5, Segment { addr: t.addr, len: t.len, rkey: t.rkey }).await;
+        let (reply_id, lent) = loop {
+            match honest.next().await.expect("the honest call is answered") {
+                Packet::PullRts { id, segments, .. } => break (id, segments[0]),
+                Packet::Fin { id } => assert_eq!(id, 5, "Fin for our transfer"),
+                _ => {}
+            }
+        };
+        assert_eq!(lent.len, sent.len() as u64);
+        let stolen = RemoteToken { addr: lent.addr, len: lent.len, rkey: lent.rkey };
+        let thief = Raw::connect(addr).await;
+        let mut dst = thief.conn.alloc_buffer(sent.len()).expect("alloc");
+        let read = tokio::time::timeout(Duration::from_secs(60), thief.conn.read(&mut dst, 0, &stolen, 0, sent.len()))
+            .await
+            .expect("a READ with a stolen key completes (with an error)");
+        assert!(read.is_err(), "a READ with another connection's key must fail");
+        thief.dropped_by_server("READ with a stolen key").await;
+        assert!(dst.bytes().map(|b| b.iter().all(|&x| x == 0)).unwrap_or(true), "no byte of the server's buffer arrived");
+        let vandal = Raw::connect(addr).await;
+        let mut junk = vandal.conn.alloc_buffer(4096).expect("alloc");
+        junk.bytes_mut().expect("bytes").fill(0xEE);
+        let write = tokio::time::timeout(Duration::from_secs(60), vandal.conn.write(&mut junk, 0, &stolen, 0, 4096))
+            .await
+            .expect("a WRITE with a stolen key completes (with an error)");
+        // On InfiniBand/RoCE the WRITE fails at once (the responder NAKs it); on iWARP a WRITE
+        // completes when it leaves (no acknowledgement) and the responder terminates the
+        // connection instead. Either way the vandal's connection ends, and the bytes below
+        // show that nothing was written.
+        tracing::info!("WRITE with a stolen key: {write:?}");
+        vandal.dropped_by_server("WRITE with a stolen key").await;
+        // the rightful reader gets the bytes, untouched by the vandal
+        let mut mine = honest.conn.alloc_buffer(sent.len()).expect("alloc");
+        honest.conn.read(&mut mine, 0, &stolen, 0, sent.len()).await.expect("the owner reads its reply");
+        assert!(mine.bytes().expect("bytes")[..] == sent[..], "the echoed payload is intact");
+        let mut fin = BytesMut::new();
+        Packet::encode_control(&mut fin, 0, &Packet::Fin { id: reply_id });
+        honest.conn.send(&fin).await.expect("Fin");
+        good_calls().await;
+        println!("device {dev}: forged key, overlong length, stolen key (READ, and WRITE: {}): each ended only its own connection; the other client's calls went on", if write.is_err() { "failed at once" } else { "terminated by the responder" });
+
+        // nothing leaked on the server: every buffer back once the connections are gone
+        drop((forger, liar, exposed, small, honest, src_exposed, src, thief, vandal, good));
+        let end = settle("server after the attacks", &server_pools, |c| c.outstanding() == 0 && c.live_regions == 0).await;
+        println!("device {dev}: server pools after the attacks: {end:?}");
         shutdown.shutdown();
         tokio::time::timeout(Duration::from_secs(20), server)
             .await
