@@ -13,7 +13,10 @@
 #      `guest-tests` features, never on ordinary test runs, and FAIL when the named device is
 #      missing), and every example with
 #      the same environment;
-#   4. runs ib_send_lat, ib_write_bw and ib_read_bw on both devices (rxe with -x 1, siw with -R);
+#   4. runs the transport's own figures (examples/rpc-perf: small-call round trip with busy-poll
+#      and in completion-event mode, calls/s with 64 in flight, 1 MiB and 16 MiB bandwidth), then
+#      ib_send_lat, ib_write_bw and ib_read_bw (perftest) on both devices (rxe with -x 1, siw
+#      with -R), as the reference;
 #   5. prints which device each run used, the tests' own figures and perftest's, and exits
 #      non-zero if any test failed, a device did not come up, or nothing ran.
 #
@@ -23,7 +26,8 @@
 #      RDMA_TEST_PROFILE (release|dev, default release), CARGO_TARGET_DIR, RDMA_TEST_OUT (the
 #      folder shared with the guest, default $CARGO_TARGET_DIR/rdma-test), RDMA_TEST_MANIFEST
 #      (default: the workspace's Cargo.toml), RDMA_TEST_TIMEOUT (guest hard timeout, s, default
-#      2400), RDMA_TEST_PERFTEST (1; 0 skips), RDMA_VM_DIR (image cache); RUST_LOG is passed to
+#      2400), RDMA_TEST_PERFTEST (1; 0 skips), RDMA_TEST_RPCPERF (1; 0 skips),
+#      RDMA_VM_DIR (image cache); RUST_LOG is passed to
 #      the tests in the guest. The last line is "rdma-test: N passed, M failed" (test cases).
 set -euo pipefail
 
@@ -112,6 +116,21 @@ for ex in "${EXAMPLES[@]}"; do
   [ -n "$exe" ] || { echo "rdma-test: no executable for example $ex" >&2; exit 1; }
   cp "$exe" "$OUT/examples/$ex"
 done
+# the transport's own figures (rpc-perf), beside perftest's: RDMA_TEST_RPCPERF=0 skips them
+if [ "${RDMA_TEST_RPCPERF:-1}" = 1 ]; then
+  say "building rpc-perf (the transport's figures beside perftest's)"
+  if ! cargo build --manifest-path "$MANIFEST" --profile "$PROFILE" --example rpc-perf --features rdma-rpc/rdma \
+         --message-format=json-render-diagnostics >"$OUT/logs/example-rpc-perf.json" 2>>"$OUT/logs/cargo-build.log"; then
+    echo "rdma-test: building rpc-perf FAILED; last lines of $OUT/logs/cargo-build.log:" >&2
+    tail -n 40 "$OUT/logs/cargo-build.log" >&2
+    exit 1
+  fi
+  mkdir -p "$OUT/perf"
+  exe=$(grep '"reason":"compiler-artifact"' "$OUT/logs/example-rpc-perf.json" | grep '"kind":\["example"\]' \
+          | sed -n 's/.*"executable":"\([^"]*\)".*/\1/p' | tail -n 1)
+  [ -n "$exe" ] || { echo "rdma-test: no executable for rpc-perf" >&2; exit 1; }
+  cp "$exe" "$OUT/perf/rpc-perf"
+fi
 NTESTS=$(ls "$OUT/bin" | wc -l)
 NEX=$( (ls "$OUT/examples" 2>/dev/null || true) | wc -l)
 if [ "$NTESTS" -eq 0 ] && [ "$NEX" -eq 0 ]; then
@@ -175,6 +194,30 @@ for d in "${DEVS[@]}"; do
     done
   done
 done
+
+# the transport's own figures: small-call round trip (busy-poll and completion-event mode, one
+# runtime thread), calls/s with 64 in flight, and put bandwidth at 1 MiB and 16 MiB
+rpcperf() { # rpcperf DEV LABEL ENDPOINT-OPTIONS ARGS...
+  local d=$1 label=$2 eopts=$3; shift 3
+  local log=logs/rpc-perf-$label-$d.log
+  timeout 180 ./perf/rpc-perf --endpoint "rdma://${IP[$d]}:0?device=$d$eopts" "$@" > "$log" 2>&1; local rc=$?
+  local rows; rows=$(awk '/bytes +calls/ {on=1; next} on && NF == 7' "$log")
+  if [ $rc != 0 ] || [ -z "$rows" ]; then
+    note "rpc-perf $d $label: FAILED (exit $rc; see logs/${log##*/})"; tail -n 5 "$log"; PROBLEMS=$((PROBLEMS+1)); return
+  fi
+  while read -r b c r g p50 p99 p999; do
+    note "rpc-perf $d $label $b B: p50 $p50 us, p99 $p99 us, $r calls/s, $g GB/s"
+  done <<< "$rows"
+}
+if [ -x perf/rpc-perf ]; then
+  for d in "${DEVS[@]}"; do
+    echo "=================== rpc-perf on $d"
+    rpcperf "$d" "small-call-busy-poll" "&busy_poll_us=2000" --op echo --sizes 0 --concurrency 1 --threads 1 --duration 3 --warmup 1
+    rpcperf "$d" "small-call-event-mode" "&busy_poll=0" --op echo --sizes 0 --concurrency 1 --threads 1 --duration 3 --warmup 1
+    rpcperf "$d" "64-in-flight" "" --op echo --sizes 64 --concurrency 64 --threads 2 --duration 3 --warmup 1
+    rpcperf "$d" "bandwidth" "" --op put --sizes 1m,16m --concurrency 2 --threads 2 --duration 3 --warmup 1
+  done
+fi
 
 # perftest reference figures (same guest, same devices)
 perf() { # perf DEV TOOL ARGS... : server + client on DEV's address; summary line of the client's figures
