@@ -28,3 +28,18 @@ transport_suite!(@tests ep;
     auth_token,
     reconnect_after_restart,
 );
+
+/// The same suite with every rendezvous by sender-push (RDMA WRITE into granted buffers)
+/// instead of the default direction.
+mod push {
+    use super::suite;
+    use crate::transport_suite;
+    use rdma_rpc::Endpoint;
+
+    fn ep_push() -> Endpoint {
+        let ep = super::ep().to_string();
+        format!("{ep}&rendezvous=push").parse().unwrap()
+    }
+
+    transport_suite!(ep_push);
+}

@@ -420,13 +420,33 @@ impl RdmaConnection {
         len: usize,
     ) -> Result<PoolBuf, RdmaError> {
         let remote = Self::remote(src, 0, len)?;
-        let rx = post(&self.shared, |qp| {
-            qp.post_read_pool(buf, len, remote).map_err(|(e, _)| e)
-        })?;
+        self.pool_op(|qp| qp.post_read_pool(buf, len, remote).map_err(|(e, _)| e))
+            .await
+    }
+
+    /// RDMA WRITE of the first `len` bytes of pool buffer `buf` into the peer's granted buffer;
+    /// the buffer is handed back once the WRITE completed (kept like `read_into_pool`'s).
+    pub(crate) async fn write_from_pool(
+        &self,
+        buf: PoolBuf,
+        dst: &RemoteToken,
+        len: usize,
+    ) -> Result<PoolBuf, RdmaError> {
+        let remote = Self::remote(dst, 0, len)?;
+        self.pool_op(|qp| qp.post_write_pool(buf, len, remote).map_err(|(e, _)| e))
+            .await
+    }
+
+    async fn pool_op(
+        &self,
+        op: impl FnOnce(&Qp) -> Result<u64, RdmaError>,
+    ) -> Result<PoolBuf, RdmaError> {
+        let rx = post(&self.shared, op)?;
         let done = wait_completion(&self.shared, rx).await;
         done.res?;
-        done.buf
-            .ok_or_else(|| RdmaError::Closed(Some("RDMA READ completed without its buffer".into())))
+        done.buf.ok_or_else(|| {
+            RdmaError::Closed(Some("RDMA operation completed without its buffer".into()))
+        })
     }
 
     /// Sends one message (at most [`RdmaConnection::max_message_size`] bytes) with a SEND into

@@ -6,12 +6,23 @@
 //!   finds no receive). Credits ride on every packet; a pure credit return goes when half the
 //!   window is owed.
 //! - A message whose whole frame fits the eager threshold (and a slot) goes in one SEND.
-//! - Larger ones go by receiver-pull rendezvous: the sender copies each attachment into a
-//!   buffer of the connection's registered pool (unless it already is one) and sends `PullRts`
-//!   with the inline part and the buffers' addresses and key; the receiver RDMA-READs every
-//!   segment into buffers of its own pool, delivers the message with views of those buffers as
-//!   its [`Payload`]s (no further copy) and sends `Fin`, on which the sender's buffers return
-//!   to its pool (see the crate docs, "Buffer pools").
+//! - Larger ones go by rendezvous, in the direction [`RdmaOptions::push_up_to`] picks by size
+//!   (each side for what it sends):
+//!   - receiver-pull: the sender copies each attachment into a buffer of the connection's
+//!     registered pool (unless it already is one) and sends `PullRts` with the inline part and
+//!     the buffers' addresses and key; the receiver RDMA-READs every segment into buffers of
+//!     its own pool, delivers the message with views of those buffers as its [`Payload`]s (no
+//!     further copy) and sends `Fin`, on which the sender's buffers return to its pool;
+//!   - sender-push: the sender copies the attachments into pool buffers and sends `PushRts`
+//!     with the inline part and the lengths; the receiver grants buffers of its pool (`Cts`),
+//!     the sender RDMA-WRITEs into them and sends `PushDone` (a SEND after the WRITEs on the
+//!     same queue pair: it arrives after their data is placed, on InfiniBand, RoCE and iWARP
+//!     alike, so one code path serves all three instead of WRITE-with-immediate, which iWARP
+//!     lacks), and the receiver delivers views of the granted buffers.
+//!
+//!   A message's announcement holds its receive credit until the reader takes the message, so
+//!   the buffers one peer can hold granted or read are bounded by the window (see the crate
+//!   docs, "Buffer pools").
 //!
 //! - SENDs are pipelined (up to [`RdmaOptions::send_slots`] in flight); a transport whose two
 //!   halves are dropped first sends what it accepted and waits for the peer's `Fin`s (at most
@@ -21,10 +32,11 @@
 //!
 //! Both sides must use the same [`RdmaOptions::recv_slots`] and [`RdmaOptions::slot_size`].
 //!
-//! Not done yet: sender-push rendezvous (a peer's `PushRts` is refused), RDMA READs of one
-//! message in parallel, waiting for a pool buffer instead of registering one when the pool is
-//! exhausted.
+//! Not done yet: RDMA READs/WRITEs of one message in parallel, waiting for a pool buffer
+//! instead of registering one when the pool is exhausted, splitting attachments larger than
+//! the pool's largest class over several buffers.
 
+use std::collections::HashMap;
 use std::io;
 use std::net::SocketAddr;
 use std::pin::Pin;
@@ -35,7 +47,7 @@ use bytes::BytesMut;
 use futures::channel::mpsc as fmpsc;
 use futures::{SinkExt, Stream, StreamExt};
 use rpc_core::rendezvous::{
-    refuse, Credits, Direction, Packet, Plan, Segment, Transfers, PACKET_HEADER_LEN,
+    refuse, Credits, Direction, Incoming, Packet, Plan, Segment, Transfers, PACKET_HEADER_LEN,
 };
 use rpc_core::wire::{Limits, Message};
 use rpc_core::{Config, Payload};
@@ -71,7 +83,8 @@ fn effective(opts: &RdmaOptions, config: &Config) -> RdmaOptions {
 impl RdmaOptions {
     /// The defaults with an `rdma://` endpoint's transport options applied: `device=NAME`,
     /// `busy_poll=0|1` (off, or the default spin), `busy_poll_us=N`, `recv_slots=N`,
-    /// `slot_size=N` (both sides must agree on the last two). Other options are ignored.
+    /// `slot_size=N` (both sides must agree on these two), `push_up_to=N` or
+    /// `rendezvous=pull|push` (see [`RdmaOptions::push_up_to`]). Other options are ignored.
     pub fn from_endpoint(ep: &rpc_core::Endpoint) -> Result<RdmaOptions, RdmaError> {
         let mut o = RdmaOptions::default();
         let num = |k: &str, v: &str| {
@@ -93,6 +106,18 @@ impl RdmaOptions {
                 },
                 "busy_poll_us" => o.busy_poll = std::time::Duration::from_micros(num(k, v)?),
                 "recv_slots" => o.recv_slots = num(k, v)? as usize,
+                "push_up_to" => o.push_up_to = num(k, v)?,
+                "rendezvous" => {
+                    o.push_up_to = match v {
+                        "pull" => 0,
+                        "push" => u64::MAX,
+                        _ => {
+                            return Err(RdmaError::InvalidArgument(format!(
+                                "endpoint option rendezvous={v}: use pull or push"
+                            )))
+                        }
+                    }
+                }
                 "slot_size" => o.slot_size = num(k, v)? as usize,
                 _ => {}
             }
@@ -117,6 +142,7 @@ pub struct RdmaTransport {
     state: State,
     config: Config,
     peer: String,
+    push_up_to: u64,
 }
 
 enum State {
@@ -142,7 +168,9 @@ impl RdmaTransport {
         opts: RdmaOptions,
     ) -> Result<RdmaTransport, RdmaError> {
         let conn = RdmaConnection::connect(addr, effective(&opts, &config)).await?;
-        Ok(RdmaTransport::new(conn, config, addr.to_string()))
+        let mut t = RdmaTransport::new(conn, config, addr.to_string());
+        t.push_up_to = opts.push_up_to;
+        Ok(t)
     }
 
     /// Connects to an `rdma://HOST:PORT[?options]` endpoint (see [`RdmaOptions::from_endpoint`]).
@@ -162,6 +190,7 @@ impl RdmaTransport {
             state: State::Ready(conn),
             config,
             peer,
+            push_up_to: crate::DEFAULT_PUSH_UP_TO,
         }
     }
 
@@ -220,11 +249,13 @@ impl rpc_core::Transport for RdmaTransport {
             proto: Mutex::new(Proto {
                 credits: Credits::new(slots),
                 transfers: Transfers::new(),
+                push_lens: HashMap::new(),
             }),
             credit_changed: Notify::new(),
             ctl_tx,
             limits: self.config.limits(),
             eager_threshold: self.config.eager_threshold,
+            push_up_to: self.push_up_to,
         });
         let (msg_tx, msg_rx) = fmpsc::channel(64);
         // Unbounded, yet at most `slots` messages: a delivered message holds its slot's credit
@@ -260,6 +291,7 @@ impl rpc_core::Transport for RdmaTransport {
                     state: State::Ready(conn),
                     config: self.config,
                     peer,
+                    push_up_to: self.push_up_to,
                 })
             }
         }
@@ -337,26 +369,55 @@ enum Held {
     /// an empty attachment
     Empty,
     /// a pool buffer the attachment was copied into
-    Pool(#[allow(dead_code)] PoolBuf),
+    Pool(PoolBuf),
     /// the attachment itself, already a view of this connection's pool (a payload received on
     /// it): no copy; the payload keeps its buffer out of the pool
     View(#[allow(dead_code)] Payload),
     /// the pool had no buffer: one registered for this transfer only
     Own {
         // drop order: revoke the peer's access, then free the memory
-        _exposure: RemoteExposure,
-        _buf: RdmaBuffer,
+        exposure: RemoteExposure,
+        buf: RdmaBuffer,
     },
+    /// the pool had no buffer for a push source: one registered (local access) for it
+    Local(RdmaBuffer),
+}
+
+impl Held {
+    /// A buffer the peer has written (a granted push buffer) as the received payload.
+    fn into_payload(self) -> Result<Payload, RdmaError> {
+        match self {
+            Held::Empty => Ok(Payload::new()),
+            Held::Pool(buf) => Ok(Payload::from_owner(buf.freeze())),
+            Held::View(p) => Ok(p),
+            Held::Own { exposure, buf } => {
+                drop(exposure);
+                buf.freeze()
+                    .map(Payload::from_owner)
+                    .map_err(|_| RdmaError::BufferBusy)
+            }
+            Held::Local(buf) => buf
+                .freeze()
+                .map(Payload::from_owner)
+                .map_err(|_| RdmaError::BufferBusy),
+        }
+    }
 }
 
 struct Proto {
     credits: Credits,
     transfers: Transfers<Held>,
+    /// the attachment lengths of our push transfers awaiting the peer's `Cts`
+    push_lens: HashMap<u64, Vec<u64>>,
 }
 
 enum Ctl {
     Fin(u64),
     Refuse(u64, u32),
+    /// grant these buffers for the peer's push transfer
+    Cts(u64, Vec<Segment>),
+    /// our push transfer is written
+    PushDone(u64),
     Credit,
     /// both halves were dropped: close once everything accepted went out
     Drain,
@@ -372,6 +433,8 @@ struct Engine {
     ctl_tx: mpsc::UnboundedSender<Ctl>,
     limits: Limits,
     eager_threshold: usize,
+    /// messages with at most this many bulk bytes go by sender-push, larger ones by pull
+    push_up_to: u64,
     slot: usize,
     pool: PoolMonitor,
 }
@@ -452,16 +515,51 @@ impl Engine {
         }
     }
 
-    /// Sends `msg`: eager, or receiver-pull rendezvous of its attachments.
+    /// Sends `msg`: eager, or by rendezvous of its attachments (sender-push up to
+    /// `push_up_to` bulk bytes, receiver-pull above).
     async fn send_message(&self, msg: Message) -> Result<SendCompletion, RdmaError> {
-        let plan = Plan::for_message(&msg, self.slot, self.eager_threshold, Direction::Pull)
+        let bulk: u64 = msg.attachments.iter().map(|a| a.len() as u64).sum();
+        let direction = if bulk <= self.push_up_to {
+            Direction::Push
+        } else {
+            Direction::Pull
+        };
+        let plan = Plan::for_message(&msg, self.slot, self.eager_threshold, direction)
             .map_err(|e| RdmaError::InvalidArgument(e.to_string()))?;
         match plan {
             Plan::Eager => {
                 self.send_packet(true, |out, c| Packet::encode_eager(out, c, &msg))
                     .await
             }
-            Plan::Rendezvous(_) => {
+            Plan::Rendezvous(Direction::Push) => {
+                // the sources: copies in pool buffers (or, the pool exhausted, a registered
+                // buffer), written to the peer's grant when its Cts comes
+                let mut held = Vec::with_capacity(msg.attachments.len());
+                let mut lens = Vec::with_capacity(msg.attachments.len());
+                for a in &msg.attachments {
+                    lens.push(a.len() as u64);
+                    if a.is_empty() {
+                        held.push(Held::Empty);
+                    } else if let Some(mut buf) = self.conn.lease_buffer(a.len()) {
+                        buf.bytes_mut().copy_from_slice(a);
+                        held.push(Held::Pool(buf));
+                    } else {
+                        self.pool.count_fallback();
+                        let mut buf = self.conn.alloc_buffer(a.len())?;
+                        buf.bytes_mut()?.copy_from_slice(a);
+                        held.push(Held::Local(buf));
+                    }
+                }
+                let id = {
+                    let mut p = lock(&self.proto);
+                    let id = p.transfers.start_push(held);
+                    p.push_lens.insert(id, lens);
+                    id
+                };
+                self.send_packet(true, |out, c| Packet::encode_push_rts(out, c, id, &msg))
+                    .await
+            }
+            Plan::Rendezvous(Direction::Pull) => {
                 let mut held = Vec::with_capacity(msg.attachments.len());
                 let mut segments = Vec::with_capacity(msg.attachments.len());
                 for a in &msg.attachments {
@@ -507,10 +605,7 @@ impl Engine {
                         len: t.len,
                         rkey: t.rkey,
                     });
-                    held.push(Held::Own {
-                        _exposure: exposure,
-                        _buf: buf,
-                    });
+                    held.push(Held::Own { exposure, buf });
                 }
                 let id = lock(&self.proto).transfers.start_pull(held);
                 self.send_packet(true, |out, c| {
@@ -552,6 +647,70 @@ impl Engine {
     }
 }
 
+impl Engine {
+    /// Buffers for the peer's push transfer of attachments of `lens` bytes, and their segments.
+    fn grant(&self, lens: &[u64]) -> Result<(Vec<Held>, Vec<Segment>), RdmaError> {
+        let mut held = Vec::with_capacity(lens.len());
+        let mut segments = Vec::with_capacity(lens.len());
+        for &len in lens {
+            let len = usize::try_from(len)
+                .map_err(|_| RdmaError::InvalidArgument("attachment too large".into()))?;
+            if len == 0 {
+                segments.push(Segment {
+                    addr: 0,
+                    len: 0,
+                    rkey: 0,
+                });
+                held.push(Held::Empty);
+            } else if let Some(buf) = self.conn.lease_buffer(len) {
+                let (addr, rkey) = buf.remote();
+                segments.push(Segment {
+                    addr,
+                    len: len as u64,
+                    rkey,
+                });
+                held.push(Held::Pool(buf));
+            } else {
+                self.pool.count_fallback();
+                let buf = self.conn.alloc_buffer(len)?;
+                let exposure = buf.expose(RemoteAccess::Write)?;
+                let t = exposure.token();
+                segments.push(Segment {
+                    addr: t.addr,
+                    len: t.len,
+                    rkey: t.rkey,
+                });
+                held.push(Held::Own { exposure, buf });
+            }
+        }
+        Ok((held, segments))
+    }
+
+    /// Writes our push transfer's sources into the peer's granted buffers.
+    async fn push(&self, sources: Vec<Held>, segments: &[Segment]) -> Result<(), RdmaError> {
+        for (h, s) in sources.into_iter().zip(segments) {
+            let token = RemoteToken {
+                addr: s.addr,
+                len: s.len,
+                rkey: s.rkey,
+            };
+            let len = s.len as usize;
+            match h {
+                Held::Empty => {}
+                // the buffer goes back to the pool once the WRITE completed
+                Held::Pool(buf) => drop(self.conn.write_from_pool(buf, &token, len).await?),
+                Held::Local(mut buf) => self.conn.write(&mut buf, 0, &token, 0, len).await?,
+                Held::View(_) | Held::Own { .. } => {
+                    return Err(RdmaError::InvalidArgument(
+                        "push source neither a pool nor a local buffer".into(),
+                    ))
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
 fn violation(v: rpc_core::rendezvous::ProtocolViolation) -> io::Error {
     io::Error::new(io::ErrorKind::InvalidData, v)
 }
@@ -588,7 +747,12 @@ async fn receive_loop(engine: Arc<Engine>, deliver: mpsc::UnboundedSender<io::Re
         }
         // RdmaConnection::recv_bytes reposted the slot already; a message's credit goes back
         // when the reader takes it, a control packet's now
-        let message = matches!(packet, Packet::Eager(_) | Packet::PullRts { .. });
+        // (a push announcement holds its credit until the reader takes the message, which
+        // bounds the buffers granted to one peer by the window)
+        let message = matches!(
+            packet,
+            Packet::Eager(_) | Packet::PullRts { .. } | Packet::PushRts { .. }
+        );
         if !message {
             engine.release();
         } else {
@@ -611,20 +775,69 @@ async fn receive_loop(engine: Arc<Engine>, deliver: mpsc::UnboundedSender<io::Re
                 }
                 Err(v) => break Some(violation(v)),
             },
-            Packet::Refuse { id, reason } => match lock(&engine.proto).transfers.on_refuse(id) {
-                Ok(bufs) => {
-                    drop(bufs);
-                    tracing::warn!("transport-rdma: peer refused transfer {id} (reason {reason}); message dropped");
+            Packet::Refuse { id, reason } => {
+                let refused = {
+                    let mut p = lock(&engine.proto);
+                    p.push_lens.remove(&id);
+                    p.transfers.on_refuse(id)
+                };
+                match refused {
+                    Ok(bufs) => {
+                        drop(bufs);
+                        tracing::warn!("transport-rdma: peer refused transfer {id} (reason {reason}); message dropped");
+                    }
+                    Err(v) => break Some(violation(v)),
                 }
-                Err(v) => break Some(violation(v)),
-            },
-            Packet::PushRts { id, .. } => {
-                let _ = engine.ctl_tx.send(Ctl::Refuse(id, refuse::NO_BUFFERS));
             }
-            Packet::Cts { id, .. } | Packet::PushDone { id } => {
-                break Some(violation(
-                    rpc_core::rendezvous::ProtocolViolation::UnknownTransfer(id),
-                ));
+            Packet::PushRts { id, head } => match engine.grant(&head.lens) {
+                Ok((bufs, segments)) => {
+                    let begun = lock(&engine.proto)
+                        .transfers
+                        .begin_incoming(id, Incoming::Granted { head, bufs });
+                    if let Err(v) = begun {
+                        break Some(violation(v));
+                    }
+                    let _ = engine.ctl_tx.send(Ctl::Cts(id, segments));
+                }
+                Err(e) => {
+                    tracing::warn!("transport-rdma: no buffers for the peer's push {id}: {e}");
+                    engine.release();
+                    let _ = engine.ctl_tx.send(Ctl::Refuse(id, refuse::NO_BUFFERS));
+                }
+            },
+            Packet::Cts { id, segments } => {
+                let sources = {
+                    let mut p = lock(&engine.proto);
+                    let lens = p.push_lens.get(&id).cloned().unwrap_or_default();
+                    let r = p.transfers.on_cts(id, &segments, lens.into_iter());
+                    if r.is_ok() {
+                        p.push_lens.remove(&id);
+                    }
+                    r
+                };
+                match sources {
+                    Ok(sources) => match engine.push(sources, &segments).await {
+                        Ok(()) => {
+                            let _ = engine.ctl_tx.send(Ctl::PushDone(id));
+                        }
+                        Err(e) => break Some(to_io(e)),
+                    },
+                    Err(v) => break Some(violation(v)),
+                }
+            }
+            Packet::PushDone { id } => {
+                let done = lock(&engine.proto).transfers.on_push_done(id);
+                match done {
+                    Ok((head, bufs)) => {
+                        let payloads: Result<Vec<Payload>, RdmaError> =
+                            bufs.into_iter().map(Held::into_payload).collect();
+                        match payloads {
+                            Ok(p) => hand_on(head.into_message(p)),
+                            Err(e) => break Some(to_io(e)),
+                        }
+                    }
+                    Err(v) => break Some(violation(v)),
+                }
             }
             Packet::Credit => {}
         }
@@ -726,6 +939,18 @@ async fn send_loop(
                     })
                     .await
             }
+            Item::Ctl(Ctl::Cts(id, segments)) => {
+                engine
+                    .send_packet(true, |out, c| Packet::encode_cts(out, c, id, &segments))
+                    .await
+            }
+            Item::Ctl(Ctl::PushDone(id)) => {
+                engine
+                    .send_packet(true, |out, c| {
+                        Packet::encode_control(out, c, &Packet::PushDone { id })
+                    })
+                    .await
+            }
             Item::Ctl(Ctl::Refuse(id, reason)) => {
                 engine
                     .send_packet(true, |out, c| {
@@ -750,6 +975,7 @@ async fn send_loop(
 pub struct RdmaRpcListener {
     inner: RdmaListener,
     config: Config,
+    push_up_to: u64,
 }
 
 impl std::fmt::Debug for RdmaRpcListener {
@@ -768,7 +994,11 @@ impl RdmaRpcListener {
         opts: RdmaOptions,
     ) -> Result<RdmaRpcListener, RdmaError> {
         let inner = RdmaListener::bind(addr, effective(&opts, &config))?;
-        Ok(RdmaRpcListener { inner, config })
+        Ok(RdmaRpcListener {
+            inner,
+            config,
+            push_up_to: opts.push_up_to,
+        })
     }
 
     /// Listens on an `rdma://HOST:PORT[?options]` endpoint (see [`RdmaOptions::from_endpoint`]).
@@ -803,6 +1033,7 @@ impl rpc_core::Listener for RdmaRpcListener {
             state: State::Pending(pending),
             config: self.config.clone(),
             peer: "incoming RDMA connection".into(),
+            push_up_to: self.push_up_to,
         })
     }
 }

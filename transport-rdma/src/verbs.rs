@@ -867,6 +867,27 @@ impl Qp {
     /// or the QP is destroyed: a dropped waiter never frees what the device may still write.
     pub(crate) fn post_read_pool(
         &self,
+        buf: PoolBuf,
+        len: usize,
+        remote: RemoteAddr,
+    ) -> Result<u64, (RdmaError, PoolBuf)> {
+        self.post_pool_op(WrKind::Read, buf, len, remote)
+    }
+
+    /// Posts a signaled RDMA WRITE of the first `len` bytes of pool buffer `buf` to `remote`;
+    /// the work request keeps the buffer as [`Qp::post_read_pool`] does.
+    pub(crate) fn post_write_pool(
+        &self,
+        buf: PoolBuf,
+        len: usize,
+        remote: RemoteAddr,
+    ) -> Result<u64, (RdmaError, PoolBuf)> {
+        self.post_pool_op(WrKind::Write, buf, len, remote)
+    }
+
+    fn post_pool_op(
+        &self,
+        kind: WrKind,
         mut buf: PoolBuf,
         len: usize,
         remote: RemoteAddr,
@@ -878,7 +899,7 @@ impl Qp {
         // the pool MR allows what the sink of a READ needs on this device (REMOTE_WRITE on
         // iWARP, see `PoolRegion::new`): no registration here
         let (addr, lkey) = (buf.addr(), buf.region.mr.lkey());
-        let wr_id = self.new_wr_id(WrKind::Read);
+        let wr_id = self.new_wr_id(kind);
         let mut inflight = self.inflight.lock().unwrap_or_else(|p| p.into_inner());
         inflight.insert(
             wr_id,
@@ -891,7 +912,11 @@ impl Qp {
             let mut qp = self.qp.lock().unwrap_or_else(|p| p.into_inner());
             let mut guard = qp.start_post_send();
             let wr = guard.construct_wr(wr_id, WorkRequestFlags::Signaled);
-            let local = wr.setup_read(remote.rkey, remote.addr);
+            let local = if kind == WrKind::Write {
+                wr.setup_write(remote.rkey, remote.addr)
+            } else {
+                wr.setup_read(remote.rkey, remote.addr)
+            };
             // SAFETY: as in `post_recv_pool`: the leased range is the buffer's alone, stays
             // allocated and registered, and the buffer sits in `inflight` until retired.
             unsafe { local.setup_sge(lkey, addr, len as u32) };
@@ -905,9 +930,14 @@ impl Qp {
             else {
                 unreachable!("inserted above")
             };
+            let op = if kind == WrKind::Write {
+                "ibv_post_send (RDMA WRITE)"
+            } else {
+                "ibv_post_send (RDMA READ)"
+            };
             return Err((
                 RdmaError::Verbs {
-                    op: "ibv_post_send (RDMA READ)",
+                    op,
                     source: Box::new(e),
                 },
                 buf,
@@ -1144,9 +1174,11 @@ impl AsRef<[u8]> for Frozen {
 /// connection's own protection domain, and carved into buffers by an `rpc_core::pool::Pool`.
 ///
 /// Access of its MR: `LOCAL_WRITE`, plus, when `remote` is set, `REMOTE_READ` (the peer pulls
-/// our rendezvous sources) and, on iWARP only, `REMOTE_WRITE` (iWARP places RDMA READ responses
-/// through the sink's STag, which must allow remote writes). The key is only valid on QPs of
-/// the connection's PD, i.e. on this one connection.
+/// our rendezvous sources) and `REMOTE_WRITE` (the peer pushes into buffers we granted; and
+/// iWARP places RDMA READ responses through the sink's STag, which must allow remote writes).
+/// The key is only valid on QPs of the connection's PD, i.e. on this one connection: a peer can
+/// reach only the buffers of its own connection, never another's (per-transfer narrowing would
+/// need memory windows, which siw lacks, or a registration per transfer).
 pub(crate) struct PoolRegion {
     // deregistered in Drop before the memory is freed
     mr: ManuallyDrop<Arc<MemoryRegion>>,
@@ -1175,10 +1207,7 @@ impl PoolRegion {
         }
         let mut access = AccessFlags::LocalWrite;
         if remote {
-            access |= AccessFlags::RemoteRead;
-            if device.transport == Transport::IWarp {
-                access |= AccessFlags::RemoteWrite;
-            }
+            access |= AccessFlags::RemoteRead | AccessFlags::RemoteWrite;
         }
         let boxed: Box<[u8]> = vec![0u8; len].into_boxed_slice();
         let raw: *mut [u8] = Box::into_raw(boxed);
