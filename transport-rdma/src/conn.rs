@@ -81,6 +81,9 @@ struct Shared {
     state: Mutex<State>,
     send_pool: Mutex<Vec<Arc<Region>>>,
     send_permits: Arc<Semaphore>,
+    /// one-sided operations (RDMA READ/WRITE) in flight: the send queue has room for
+    /// `ONE_SIDED` of them beside the SEND slots
+    one_sided_permits: Semaphore,
     slot_size: usize,
     /// receive slots (local access only)
     slots: Arc<PoolRegion>,
@@ -162,6 +165,9 @@ enum RecvEvent {
     Eof,
 }
 
+/// RDMA READs/WRITEs in flight at once per connection (send-queue places beside the SENDs).
+const ONE_SIDED: usize = 8;
+
 /// A connected RDMA reliable connection (RC queue pair set up with rdma_cm).
 pub struct RdmaConnection {
     shared: Arc<Shared>,
@@ -199,9 +205,13 @@ fn prepare(id: &CmId, opts: &RdmaOptions, monitor: PoolMonitor) -> Result<Prepar
     let device = id.device()?;
     let recv_slots = opts.recv_slots.max(1);
     let send_slots = opts.send_slots.max(1);
-    // +8 for one-sided operations beyond the send slots
-    let max_send_wr = (send_slots + 8) as u32;
-    let cq = Cq::new(&device, (recv_slots + send_slots + 8) as u32 * 2)?;
+    // room for the one-sided operations beside the send slots, twice over (see
+    // `one_sided_permit`)
+    let max_send_wr = (send_slots + 2 * ONE_SIDED) as u32;
+    let cq = Cq::new(
+        &device,
+        (recv_slots + send_slots + 2 * ONE_SIDED) as u32 * 2,
+    )?;
     let qp = Qp::new(
         &device,
         &cq,
@@ -321,6 +331,7 @@ impl RdmaConnection {
             state: Mutex::new(State::default()),
             send_pool: Mutex::new(Vec::with_capacity(send_slots)),
             send_permits: Arc::new(Semaphore::new(send_slots)),
+            one_sided_permits: Semaphore::new(ONE_SIDED),
             slot_size: opts.slot_size,
             slots,
             bufs,
@@ -389,8 +400,20 @@ impl RdmaConnection {
         &self,
         op: impl FnOnce(&Qp) -> Result<u64, RdmaError>,
     ) -> Result<(), RdmaError> {
+        let _permit = self.one_sided_permit().await?;
         let rx = post(&self.shared, op)?;
         wait_completion(&self.shared, rx).await.res
+    }
+
+    /// A place in the send queue for one RDMA READ or WRITE, held until its completion. A
+    /// waiter dropped early gives its place back while the request may still be queued: the
+    /// send queue has `ONE_SIDED` further places for such stragglers.
+    async fn one_sided_permit(&self) -> Result<tokio::sync::SemaphorePermit<'_>, RdmaError> {
+        self.shared
+            .one_sided_permits
+            .acquire()
+            .await
+            .map_err(|_| RdmaError::Closed(None))
     }
 
     /// The counters of this connection's registered pools.
@@ -441,6 +464,7 @@ impl RdmaConnection {
         &self,
         op: impl FnOnce(&Qp) -> Result<u64, RdmaError>,
     ) -> Result<PoolBuf, RdmaError> {
+        let _permit = self.one_sided_permit().await?;
         let rx = post(&self.shared, op)?;
         let done = wait_completion(&self.shared, rx).await;
         done.res?;

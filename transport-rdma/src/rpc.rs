@@ -250,6 +250,7 @@ impl rpc_core::Transport for RdmaTransport {
                 credits: Credits::new(slots),
                 transfers: Transfers::new(),
                 push_lens: HashMap::new(),
+                ops: 0,
             }),
             credit_changed: Notify::new(),
             ctl_tx,
@@ -409,6 +410,8 @@ struct Proto {
     transfers: Transfers<Held>,
     /// the attachment lengths of our push transfers awaiting the peer's `Cts`
     push_lens: HashMap<u64, Vec<u64>>,
+    /// rendezvous READs/WRITEs running (see `Op`)
+    ops: usize,
 }
 
 enum Ctl {
@@ -711,6 +714,35 @@ impl Engine {
     }
 }
 
+/// A rendezvous READ or WRITE running in its own task; a drain waits for it (the `Fin` or
+/// `PushDone` it ends with must go out before the connection closes).
+struct Op {
+    engine: Arc<Engine>,
+}
+
+impl Op {
+    fn start(engine: &Arc<Engine>) -> Op {
+        lock(&engine.proto).ops += 1;
+        Op {
+            engine: Arc::clone(engine),
+        }
+    }
+
+    /// The transfer failed: the connection ends, and the reader hears why.
+    fn fail(&self, deliver: &mpsc::UnboundedSender<io::Result<Message>>, e: RdmaError) {
+        tracing::debug!("transport-rdma: rendezvous transfer failed, closing: {e}");
+        let _ = deliver.send(Err(to_io(e)));
+        self.engine.shutdown();
+    }
+}
+
+impl Drop for Op {
+    fn drop(&mut self) {
+        lock(&self.engine.proto).ops -= 1;
+        let _ = self.engine.ctl_tx.send(Ctl::Recheck);
+    }
+}
+
 fn violation(v: rpc_core::rendezvous::ProtocolViolation) -> io::Error {
     io::Error::new(io::ErrorKind::InvalidData, v)
 }
@@ -760,13 +792,23 @@ async fn receive_loop(engine: Arc<Engine>, deliver: mpsc::UnboundedSender<io::Re
         }
         match packet {
             Packet::Eager(msg) => hand_on(msg),
-            Packet::PullRts { id, head, segments } => match engine.pull(&segments).await {
-                Ok(payloads) => {
-                    let _ = engine.ctl_tx.send(Ctl::Fin(id));
-                    hand_on(head.into_message(payloads));
-                }
-                Err(e) => break Some(to_io(e)),
-            },
+            Packet::PullRts { id, head, segments } => {
+                // the READs run beside this loop: a long transfer holds up no other packet
+                // (keep-alives, small calls, credits)
+                let op = Op::start(&engine);
+                let deliver = deliver.clone();
+                tokio::spawn(async move {
+                    match op.engine.pull(&segments).await {
+                        Ok(payloads) => {
+                            let _ = op.engine.ctl_tx.send(Ctl::Fin(id));
+                            if deliver.send(Ok(head.into_message(payloads))).is_err() {
+                                op.engine.release();
+                            }
+                        }
+                        Err(e) => op.fail(&deliver, e),
+                    }
+                });
+            }
             Packet::Fin { id } => match lock(&engine.proto).transfers.on_fin(id) {
                 // dropping the buffers revokes the peer's access and frees them
                 Ok(bufs) => {
@@ -816,12 +858,19 @@ async fn receive_loop(engine: Arc<Engine>, deliver: mpsc::UnboundedSender<io::Re
                     r
                 };
                 match sources {
-                    Ok(sources) => match engine.push(sources, &segments).await {
-                        Ok(()) => {
-                            let _ = engine.ctl_tx.send(Ctl::PushDone(id));
-                        }
-                        Err(e) => break Some(to_io(e)),
-                    },
+                    Ok(sources) => {
+                        // the WRITEs run beside this loop, as pulls do
+                        let op = Op::start(&engine);
+                        let deliver = deliver.clone();
+                        tokio::spawn(async move {
+                            match op.engine.push(sources, &segments).await {
+                                Ok(()) => {
+                                    let _ = op.engine.ctl_tx.send(Ctl::PushDone(id));
+                                }
+                                Err(e) => op.fail(&deliver, e),
+                            }
+                        });
+                    }
                     Err(v) => break Some(violation(v)),
                 }
             }
@@ -874,12 +923,10 @@ async fn send_loop(
                 return;
             }
         }
-        if drain_deadline.is_some()
-            && !msgs_open
-            && ctl.is_empty()
-            && pending.is_empty()
-            && lock(&engine.proto).transfers.is_empty()
-        {
+        if drain_deadline.is_some() && !msgs_open && ctl.is_empty() && pending.is_empty() && {
+            let p = lock(&engine.proto);
+            p.transfers.is_empty() && p.ops == 0
+        } {
             engine.shutdown();
             return;
         }
