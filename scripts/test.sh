@@ -35,6 +35,12 @@ cargo test --locked -p rdma-rpc -p rpc-core -p rpc-macros -p transport-tcp -p tr
 stage "fuzzing (bounded: ${FUZZ_SECONDS:-30} s a target; regressions replayed first; fuzz/README.md)"
 bash scripts/fuzz.sh "${FUZZ_SECONDS:-30}"
 
+# ---- load stage (issue 5; examples/overload.rs, examples/soak.rs) ----
+stage "load over TCP loopback: overload p99 against its bound (~6 s), soak with servers killed at random (${SOAK_SECONDS:-60} s; long form: scripts/soak.sh)"
+cargo run --locked --release --example overload
+cargo run --locked --release --example soak -- --secs "${SOAK_SECONDS:-60}"
+# ---- end of load stage ----
+
 if [ "${SKIP_RDMA:-0}" = 1 ]; then
   stage "RDMA tests SKIPPED (SKIP_RDMA=1): nothing was tested on RDMA devices"
 else

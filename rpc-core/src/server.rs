@@ -211,6 +211,8 @@ struct Conn<S, W> {
     ctx: Ctx,
     writer: W,
     outbox: Outbox,
+    /// Answers of handlers that ran in their own task, waiting to be written.
+    answers: mpsc::UnboundedReceiver<Message>,
     calls: Calls,
     handlers: TaskTracker,
     draining: bool,
@@ -289,14 +291,24 @@ impl<S: Service, W: Sink<Message, Error = io::Error> + Unpin> Conn<S, W> {
             self.refuse(id, ServerErrorKind::BadRequest, text).await?;
             return Ok(Flow::Continue);
         }
-        // Over the concurrency limit this waits, and the connection is not read meanwhile.
-        let Ok(slot) = self.ctx.handler_slots.clone().acquire_owned().await else {
-            return Ok(Flow::Close);
-        };
+        // The deadline counts from when the request was read, so the wait for a slot below
+        // counts against it.
         let deadline = match msg.header.aux {
             0 => None,
             us => Some(Instant::now() + Duration::from_micros(us as u64)),
         };
+        // Over the concurrency limit this waits, and the connection is not read meanwhile.
+        let Some(slot) = self.wait_for_slot().await? else {
+            return Ok(Flow::Close);
+        };
+        if deadline.is_some_and(|d| d <= Instant::now()) {
+            // The caller has given up: spend no handler on it.
+            drop(slot);
+            let text = format!("{name} waited for a free handler past the caller's deadline");
+            self.refuse(id, ServerErrorKind::DeadlineExceeded, &text)
+                .await?;
+            return Ok(Flow::Continue);
+        }
         let request = Request::new(msg.body, msg.attachments);
         let service = self.service.clone();
         let mut work: HandlerFuture =
@@ -317,6 +329,27 @@ impl<S: Service, W: Sink<Message, Error = io::Error> + Unpin> Conn<S, W> {
         drop(slot);
         self.send(reply_message(id, name, outcome)).await?;
         Ok(Flow::Continue)
+    }
+
+    /// A handler slot (`None` if the semaphore is closed). While waiting for one, answers of
+    /// this connection's finished handlers are still written: holding them back until a slot
+    /// frees would add up to a whole queue's wait to calls that are already done.
+    async fn wait_for_slot(&mut self) -> io::Result<Option<OwnedSemaphorePermit>> {
+        let acquire = self.ctx.handler_slots.clone().acquire_owned();
+        tokio::pin!(acquire);
+        loop {
+            tokio::select! {
+                biased;
+                slot = &mut acquire => return Ok(slot.ok()),
+                Some(answer) = self.answers.recv() => {
+                    self.send(answer).await?;
+                    while let Ok(answer) = self.answers.try_recv() {
+                        self.send(answer).await?;
+                    }
+                    self.flush().await?;
+                }
+            }
+        }
     }
 
     fn spawn_call(
@@ -375,7 +408,7 @@ async fn serve_connection<T: Transport, S: Service>(transport: T, service: Arc<S
     ctx.stats.connections.fetch_add(1, Relaxed);
     tracing::debug!("connection open");
     let (mut reader, writer) = transport.split();
-    let (outbox, mut answers) = mpsc::unbounded_channel();
+    let (outbox, answers) = mpsc::unbounded_channel();
     let mut keepalive = KeepAlive::new(ctx.config.keepalive_interval, ctx.config.keepalive_timeout);
     let mut writer = writer;
     if let Some(token) = &ctx.config.auth_token {
@@ -389,6 +422,7 @@ async fn serve_connection<T: Transport, S: Service>(transport: T, service: Arc<S
         ctx,
         writer,
         outbox,
+        answers,
         calls: Arc::default(),
         handlers: TaskTracker::new(),
         draining: false,
@@ -403,15 +437,15 @@ async fn serve_connection<T: Transport, S: Service>(transport: T, service: Arc<S
                 }
                 _ = conn.handlers.wait(), if conn.draining => {
                     // Every handler has queued its answer before its task ended.
-                    while let Ok(answer) = answers.try_recv() {
+                    while let Ok(answer) = conn.answers.try_recv() {
                         conn.send(answer).await?;
                     }
                     tracing::debug!("drained");
                     Flow::Close
                 }
-                Some(answer) = answers.recv() => {
+                Some(answer) = conn.answers.recv() => {
                     conn.send(answer).await?;
-                    while let Ok(answer) = answers.try_recv() {
+                    while let Ok(answer) = conn.answers.try_recv() {
                         conn.send(answer).await?;
                     }
                     Flow::Continue
