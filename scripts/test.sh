@@ -46,5 +46,7 @@ if [ "${SKIP_RDMA:-0}" = 1 ]; then
 else
   stage "RDMA tests in the guest (rxe and siw)"
   bash scripts/rdma-test.sh --example storage-demo
+  stage "a slow, lossy link in the guest (tc netem on veth: TCP, siw, rxe; scripts/lossy-link-test.sh)"
+  bash scripts/lossy-link-test.sh
 fi
 stage "all passed"
