@@ -319,7 +319,9 @@ impl Client {
             return futures::future::Either::Left(c.send::<C, R>(prepared, deadline));
         }
         let conn = self.conn.clone();
-        futures::future::Either::Right(async move {
+        // Boxed: the reconnecting path's future is large, and inline it would make every
+        // call's future as large (moved twice per call).
+        futures::future::Either::Right(Box::pin(async move {
             let c = match deadline {
                 Some(d) => tokio::time::timeout_at(d, conn.get())
                     .await
@@ -327,7 +329,7 @@ impl Client {
                 None => conn.get().await?,
             };
             c.send::<C, R>(prepared, deadline).await
-        })
+        }))
     }
 }
 

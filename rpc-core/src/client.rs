@@ -1,67 +1,204 @@
 //! The caller's side of a connection: request ids, the table of calls in flight, credits,
 //! deadlines and cancellation, over any [`Transport`].
 
-use std::collections::HashMap;
 use std::fmt;
-use std::future::Future;
-use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex};
+use std::future::{poll_fn, Future};
+use std::io;
+use std::pin::Pin;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::task::{Context, Poll, Waker};
 use std::time::Duration;
 
+use futures::task::AtomicWaker;
+use futures::{Sink, SinkExt, Stream, StreamExt};
 use serde::de::DeserializeOwned;
 use serde::Serialize;
-use tokio::sync::{mpsc, oneshot, Semaphore};
+use tokio::sync::{Semaphore, TryAcquireError};
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 use tracing::Instrument;
 
 use crate::codec::Codec;
-use crate::conn::{encode_body, write_loop, KeepAlive, Outbox, Tick};
+use crate::conn::{encode_body, KeepAlive, Tick};
 use crate::payload::with_attachments;
 use crate::transport::Transport;
 use crate::wire::{Header, Kind, Message};
 use crate::{Config, RpcError, ServerError, ServerErrorKind};
 
-type Waiter = oneshot::Sender<Result<Message, RpcError>>;
-
-/// State shared by the call futures and the connection's reader task.
+/// State shared by the call futures and the connection's reader and writer tasks.
+///
+/// Everything a call touches is behind one lock, taken once to send (register the call and
+/// queue its frame) and once to collect the answer; the reader takes it once per response.
 struct State {
-    calls: Mutex<Calls>,
+    table: Mutex<Table>,
     credits: Semaphore,
+    /// Cancelled when the connection is gone (for [`Client::closed`]).
     closed: CancellationToken,
+    /// Set with `closed`; cheap to test on every turn of the reader.
+    shut: AtomicBool,
+    /// The reader task, woken when the connection is closed from this side.
+    reader: AtomicWaker,
 }
 
-#[derive(Default)]
-struct Calls {
-    waiting: HashMap<u64, Waiter>,
+/// The calls in flight and the frames waiting for the writer.
+///
+/// Calls live in reusable completion slots: a request id is a slot's index (low 32 bits) and
+/// its generation (high 32 bits), so finding a call is an index, not a hash, and an answer
+/// that comes after its call was cancelled finds a newer generation and is dropped.
+struct Table {
+    slots: Vec<Slot>,
+    /// Indices of free slots.
+    free: Vec<u32>,
+    /// Calls sent and not yet answered.
+    waiting: usize,
+    /// Frames for the writer task, in order.
+    outgoing: Vec<Message>,
+    /// The writer task, when it waits for frames.
+    writer: Option<Waker>,
     /// Set once the connection is gone; no call is registered after that.
     closed: bool,
     /// The server said it is draining.
     going_away: bool,
 }
 
+struct Slot {
+    generation: u32,
+    state: SlotState,
+}
+
+enum SlotState {
+    Free,
+    /// Sent; the caller's waker once it has polled.
+    Waiting(Option<Waker>),
+    /// Answered (or failed), not yet collected.
+    Done(Result<Message, RpcError>),
+}
+
+impl Table {
+    fn new() -> Table {
+        Table {
+            slots: Vec::new(),
+            free: Vec::new(),
+            waiting: 0,
+            outgoing: Vec::new(),
+            writer: None,
+            closed: false,
+            going_away: false,
+        }
+    }
+
+    /// Takes a free slot for a new call; returns the call's request id.
+    fn register(&mut self) -> u64 {
+        let index = match self.free.pop() {
+            Some(i) => i,
+            None => {
+                let i = u32::try_from(self.slots.len()).expect("fewer than 2^32 calls in flight");
+                self.slots.push(Slot {
+                    generation: 1,
+                    state: SlotState::Free,
+                });
+                i
+            }
+        };
+        let slot = &mut self.slots[index as usize];
+        slot.state = SlotState::Waiting(None);
+        self.waiting += 1;
+        (u64::from(slot.generation) << 32) | u64::from(index)
+    }
+
+    /// The slot of call `id`, if it is still that call's.
+    fn slot(&mut self, id: u64) -> Option<&mut Slot> {
+        let slot = self.slots.get_mut(id as u32 as usize)?;
+        (slot.generation == (id >> 32) as u32).then_some(slot)
+    }
+
+    /// Frees call `id`'s slot for reuse, under a new generation.
+    fn release(&mut self, id: u64) {
+        let index = id as u32;
+        let slot = &mut self.slots[index as usize];
+        slot.state = SlotState::Free;
+        slot.generation = match slot.generation.wrapping_add(1) {
+            0 => 1,
+            g => g,
+        };
+        self.free.push(index);
+    }
+
+    /// Records call `id`'s outcome; returns the waker to wake (outside the lock). An answer
+    /// to a call no longer waiting (cancelled, timed out) is dropped.
+    fn complete(&mut self, id: u64, outcome: Result<Message, RpcError>) -> Option<Waker> {
+        let slot = self.slot(id)?;
+        let SlotState::Waiting(waker) = &mut slot.state else {
+            return None;
+        };
+        let waker = waker.take();
+        slot.state = SlotState::Done(outcome);
+        self.waiting -= 1;
+        waker
+    }
+
+    /// Queues a frame for the writer; returns the writer's waker if it has to be woken.
+    fn queue(&mut self, msg: Message) -> Option<Waker> {
+        self.outgoing.push(msg);
+        self.writer.take()
+    }
+}
+
 impl State {
-    /// Fails every call in flight and refuses new ones.
+    fn lock(&self) -> MutexGuard<'_, Table> {
+        self.table.lock().expect("calls lock")
+    }
+
+    /// Queues a frame for the writer, unless the connection is gone.
+    fn send(&self, msg: Message) {
+        let writer = {
+            let mut t = self.lock();
+            if t.closed {
+                return;
+            }
+            t.queue(msg)
+        };
+        if let Some(w) = writer {
+            w.wake();
+        }
+    }
+
+    /// Fails every call in flight and refuses new ones; the writer sends what is queued and
+    /// closes, the reader stops. Idempotent.
     fn close(&self) {
-        let waiting = {
-            let mut calls = self.calls.lock().expect("calls lock");
-            calls.closed = true;
-            std::mem::take(&mut calls.waiting)
+        let (callers, writer) = {
+            let mut t = self.lock();
+            if t.closed {
+                return;
+            }
+            t.closed = true;
+            t.waiting = 0;
+            let mut callers = Vec::new();
+            for slot in &mut t.slots {
+                if let SlotState::Waiting(w) = &mut slot.state {
+                    callers.extend(w.take());
+                    slot.state = SlotState::Done(Err(RpcError::ConnectionClosed));
+                }
+            }
+            (callers, t.writer.take())
         };
         // Closed before any caller hears of it, so a failed call sees a closed client.
+        self.shut.store(true, Ordering::Release);
         self.closed.cancel();
         self.credits.close();
-        for (_, w) in waiting {
-            let _ = w.send(Err(RpcError::ConnectionClosed));
-        }
+        self.reader.wake();
+        writer.into_iter().chain(callers).for_each(Waker::wake);
+    }
+
+    fn is_shut(&self) -> bool {
+        self.shut.load(Ordering::Acquire)
     }
 }
 
 /// Held by every client handle and call future; when the last one goes, the connection closes.
 struct Inner {
     state: Arc<State>,
-    outbox: Outbox,
-    next_id: AtomicU64,
     config: Config,
     peer: String,
 }
@@ -158,30 +295,23 @@ impl Client {
 
     fn start<R, W>(reader: R, writer: W, peer: String, config: Config, coalesce: bool) -> Client
     where
-        R: futures::Stream<Item = std::io::Result<Message>> + Send + Unpin + 'static,
-        W: futures::Sink<Message, Error = std::io::Error> + Send + Unpin + 'static,
+        R: Stream<Item = io::Result<Message>> + Send + Unpin + 'static,
+        W: Sink<Message, Error = io::Error> + Send + Unpin + 'static,
     {
-        let (outbox, rx) = mpsc::unbounded_channel();
+        let window = config.max_in_flight.min(Semaphore::MAX_PERMITS);
         let state = Arc::new(State {
-            calls: Mutex::new(Calls::default()),
-            credits: Semaphore::new(config.max_in_flight.min(Semaphore::MAX_PERMITS)),
+            table: Mutex::new(Table::new()),
+            credits: Semaphore::new(window),
             closed: CancellationToken::new(),
+            shut: AtomicBool::new(false),
+            reader: AtomicWaker::new(),
         });
         let span = tracing::info_span!("rpc_client", peer = %peer);
-        let window = config.max_in_flight.min(Semaphore::MAX_PERMITS);
-        let busy = state.clone();
-        let others_waiting = move || coalesce && busy.credits.available_permits() + 1 < window;
-        tokio::spawn(
-            write_loop(writer, rx, state.closed.clone(), others_waiting).instrument(span.clone()),
-        );
-        tokio::spawn(
-            read_loop(reader, state.clone(), outbox.clone(), config.clone()).instrument(span),
-        );
+        tokio::spawn(write_loop(writer, state.clone(), coalesce, window).instrument(span.clone()));
+        tokio::spawn(read_loop(reader, state.clone(), config.clone()).instrument(span));
         Client {
             inner: Arc::new(Inner {
                 state,
-                outbox,
-                next_id: AtomicU64::new(1),
                 config,
                 peer,
             }),
@@ -227,13 +357,7 @@ impl Client {
 
     /// Number of calls waiting for an answer.
     pub fn in_flight(&self) -> usize {
-        self.inner
-            .state
-            .calls
-            .lock()
-            .expect("calls lock")
-            .waiting
-            .len()
+        self.inner.state.lock().waiting
     }
 
     /// Calls method `method` (named `name`, for errors and traces) with `args`, decoding the
@@ -283,15 +407,17 @@ impl Client {
                     limit: inner.config.max_message_size,
                 });
             }
-            let reply = match deadline {
-                Some(d) => {
-                    match tokio::time::timeout_at(d, exchange(&inner, msg, deadline)).await {
-                        Ok(r) => r?,
-                        Err(_) => return Err(RpcError::DeadlineExceeded),
-                    }
+            // One of the connection's credits, held until the answer came.
+            let state = &*inner.state;
+            let _permit = match state.credits.try_acquire() {
+                Ok(p) => p,
+                Err(TryAcquireError::Closed) => return Err(RpcError::ConnectionClosed),
+                // Boxed: rarely taken, and inline it would make every call's future larger.
+                Err(TryAcquireError::NoPermits) => {
+                    Box::pin(wait_for_credit(&state.credits, deadline)).await?
                 }
-                None => exchange(&inner, msg, None).await?,
             };
+            let reply = start(state, msg, deadline)?.await?;
             decode_reply::<C, R>(reply)
         }
         .instrument(span)
@@ -337,81 +463,135 @@ impl Prepared {
     }
 }
 
-/// Removes a call from the table if its future is dropped before the answer came, and tells
-/// the server to stop its handler.
-struct CallGuard<'a> {
-    inner: &'a Inner,
-    id: u64,
-    armed: bool,
+/// Waits for one of the connection's credits, until `deadline`.
+async fn wait_for_credit(
+    credits: &Semaphore,
+    deadline: Option<Instant>,
+) -> Result<tokio::sync::SemaphorePermit<'_>, RpcError> {
+    let acquired = match deadline {
+        Some(d) => tokio::time::timeout_at(d, credits.acquire())
+            .await
+            .map_err(|_| RpcError::DeadlineExceeded)?,
+        None => credits.acquire().await,
+    };
+    acquired.map_err(|_| RpcError::ConnectionClosed)
 }
 
-impl Drop for CallGuard<'_> {
-    fn drop(&mut self) {
-        if !self.armed {
-            return;
-        }
-        let was_waiting = self
-            .inner
-            .state
-            .calls
-            .lock()
-            .expect("calls lock")
-            .waiting
-            .remove(&self.id)
-            .is_some();
-        if was_waiting {
-            tracing::debug!(id = self.id, "call dropped; cancelling it on the server");
-            let _ = self
-                .inner
-                .outbox
-                .send(Message::control(Kind::Cancel, self.id));
-        }
-    }
-}
-
-async fn exchange(
-    inner: &Inner,
+/// Registers `msg` as a new call and queues it for the writer; the returned future waits for
+/// the answer.
+fn start(
+    state: &State,
     mut msg: Message,
     deadline: Option<Instant>,
-) -> Result<Message, RpcError> {
-    let permit = inner
-        .state
-        .credits
-        .acquire()
-        .await
-        .map_err(|_| RpcError::ConnectionClosed)?;
-    let id = inner.next_id.fetch_add(1, Ordering::Relaxed);
-    let (tx, rx) = oneshot::channel();
-    {
-        let mut calls = inner.state.calls.lock().expect("calls lock");
-        if calls.closed {
-            return Err(RpcError::ConnectionClosed);
-        }
-        if calls.going_away {
-            return Err(RpcError::Unavailable(
-                "the server is shutting down (it sent go-away)".into(),
-            ));
-        }
-        calls.waiting.insert(id, tx);
-    }
-    let mut guard = CallGuard {
-        inner,
-        id,
-        armed: true,
-    };
-    msg.header.id = id;
+) -> Result<Answer<'_>, RpcError> {
     if let Some(d) = deadline {
         let left = d.saturating_duration_since(Instant::now()).as_micros();
         // 0 means "no deadline" on the wire; an already-expired call still says 1 µs.
         msg.header.aux = left.clamp(1, u32::MAX as u128) as u32;
     }
-    if inner.outbox.send(msg).is_err() {
-        return Err(RpcError::ConnectionClosed);
+    let (id, writer) = {
+        let mut t = state.lock();
+        if t.closed {
+            return Err(RpcError::ConnectionClosed);
+        }
+        if t.going_away {
+            return Err(RpcError::Unavailable(
+                "the server is shutting down (it sent go-away)".into(),
+            ));
+        }
+        let id = t.register();
+        msg.header.id = id;
+        (id, t.queue(msg))
+    };
+    if let Some(w) = writer {
+        w.wake();
     }
-    let answer = rx.await;
-    guard.armed = false;
-    drop(permit);
-    answer.unwrap_or(Err(RpcError::ConnectionClosed))
+    Ok(Answer {
+        state,
+        id,
+        done: false,
+        deadline: deadline.map(tokio::time::sleep_until),
+    })
+}
+
+/// Waits in call `id`'s slot for its answer, failing with `DeadlineExceeded` at `deadline`.
+/// Dropped (or timed out) before the answer came, it frees the slot and tells the server to
+/// stop the handler.
+#[pin_project::pin_project(PinnedDrop)]
+struct Answer<'a> {
+    state: &'a State,
+    id: u64,
+    done: bool,
+    #[pin]
+    deadline: Option<tokio::time::Sleep>,
+}
+
+impl Future for Answer<'_> {
+    type Output = Result<Message, RpcError>;
+
+    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        let this = self.project();
+        let id = *this.id;
+        {
+            let mut t = this.state.lock();
+            let slot = t.slot(id).expect("a call owns its slot until it ends");
+            match &mut slot.state {
+                SlotState::Waiting(w) => match w {
+                    Some(w) if w.will_wake(cx.waker()) => {}
+                    _ => *w = Some(cx.waker().clone()),
+                },
+                SlotState::Done(_) => {
+                    let outcome = std::mem::replace(&mut slot.state, SlotState::Free);
+                    t.release(id);
+                    drop(t);
+                    *this.done = true;
+                    let SlotState::Done(outcome) = outcome else {
+                        unreachable!("matched above")
+                    };
+                    return Poll::Ready(outcome);
+                }
+                SlotState::Free => unreachable!("a call owns its slot until it ends"),
+            }
+        }
+        match this.deadline.as_pin_mut().map(|d| d.poll(cx)) {
+            Some(Poll::Ready(())) => {
+                cancel(this.state, id);
+                *this.done = true;
+                Poll::Ready(Err(RpcError::DeadlineExceeded))
+            }
+            _ => Poll::Pending,
+        }
+    }
+}
+
+#[pin_project::pinned_drop]
+impl PinnedDrop for Answer<'_> {
+    fn drop(self: Pin<&mut Self>) {
+        if !self.done {
+            cancel(self.state, self.id);
+        }
+    }
+}
+
+/// Gives up on call `id`: frees its slot and, if it was not answered yet, tells the server.
+fn cancel(state: &State, id: u64) {
+    let writer = {
+        let mut t = state.lock();
+        let Some(slot) = t.slot(id) else {
+            return;
+        };
+        let was_waiting = matches!(slot.state, SlotState::Waiting(_));
+        t.release(id);
+        if !was_waiting || t.closed {
+            return;
+        }
+        t.waiting -= 1;
+        tracing::debug!(id, "call dropped; cancelling it on the server");
+        t.queue(Message::control(Kind::Cancel, id))
+    };
+    if let Some(w) = writer {
+        w.wake();
+    }
 }
 
 fn decode_reply<C: Codec, R: DeserializeOwned>(reply: Message) -> Result<R, RpcError> {
@@ -431,66 +611,142 @@ fn decode_reply<C: Codec, R: DeserializeOwned>(reply: Message) -> Result<R, RpcE
     }
 }
 
-async fn read_loop<R>(mut reader: R, state: Arc<State>, outbox: Outbox, config: Config)
+/// Drives the transport's writer: waits for queued frames, takes every frame queued so far
+/// and flushes once, so that many calls share one system call (or one doorbell).
+///
+/// With `coalesce` and other calls in flight (whose callers were woken together and are
+/// about to queue theirs), it yields once first, so that their frames join the same write;
+/// with nothing else in flight it writes at once.
+///
+/// Once the connection is closed it writes what is still queued, closes the writer and ends;
+/// a failed write closes the connection.
+async fn write_loop<W>(mut writer: W, state: Arc<State>, coalesce: bool, window: usize)
 where
-    R: futures::Stream<Item = std::io::Result<Message>> + Unpin,
+    W: Sink<Message, Error = io::Error> + Unpin,
 {
-    use futures::StreamExt;
-    let mut keepalive = KeepAlive::new(config.keepalive_interval, config.keepalive_timeout);
-    loop {
-        tokio::select! {
-            biased;
-            _ = state.closed.cancelled() => break,
-            next = reader.next() => match next {
-                Some(Ok(msg)) => {
-                    keepalive.saw_frame();
-                    match msg.header.kind {
-                        Kind::Response => {
-                            let waiter = state
-                                .calls
-                                .lock()
-                                .expect("calls lock")
-                                .waiting
-                                .remove(&msg.header.id);
-                            // None: the call was cancelled or timed out meanwhile.
-                            if let Some(w) = waiter {
-                                let _ = w.send(Ok(msg));
-                            }
-                        }
-                        Kind::Ping => {
-                            let _ = outbox.send(Message::control(Kind::Pong, msg.header.id));
-                        }
-                        Kind::Pong | Kind::Hello => {}
-                        Kind::GoAway => {
-                            tracing::info!("server is draining; no new calls on this connection");
-                            state.calls.lock().expect("calls lock").going_away = true;
-                        }
-                        Kind::Request | Kind::Cancel => {
-                            tracing::warn!(kind = %msg.header.kind, "server sent a client-only frame; closing");
-                            break;
-                        }
-                    }
-                }
-                Some(Err(e)) => {
-                    tracing::warn!(error = %e, "bad frame from server; closing the connection");
-                    break;
-                }
-                None => {
-                    tracing::debug!("server closed the connection");
-                    break;
-                }
-            },
-            tick = keepalive.tick() => match tick {
-                Tick::Alive => {}
-                Tick::Ping => {
-                    let _ = outbox.send(Message::control(Kind::Ping, 0));
-                }
-                Tick::Dead(silent) => {
-                    tracing::warn!(?silent, "server stopped answering keep-alives; closing");
-                    break;
-                }
-            },
+    let mut batch: Vec<Message> = Vec::new();
+    let result: io::Result<()> = async {
+        loop {
+            let open = poll_fn(|cx| take_outgoing(&state, &mut batch, Some(cx))).await;
+            if open && coalesce && state.credits.available_permits() + 1 < window {
+                tokio::task::yield_now().await;
+                let _ = take_outgoing(&state, &mut batch, None);
+            }
+            for msg in batch.drain(..) {
+                writer.feed(msg).await?;
+            }
+            writer.flush().await?;
+            if !open {
+                return writer.close().await;
+            }
+        }
+    }
+    .await;
+    if let Err(e) = result {
+        if !state.is_shut() {
+            tracing::debug!(error = %e, "write failed; closing the connection");
         }
     }
     state.close();
+}
+
+/// Moves the queued frames into `batch` (swapping buffers, so neither is reallocated).
+/// Ready with whether the connection is still open once there are frames or it is closed;
+/// otherwise pending, with the writer's waker kept if `cx` is given.
+fn take_outgoing(
+    state: &State,
+    batch: &mut Vec<Message>,
+    cx: Option<&mut Context<'_>>,
+) -> Poll<bool> {
+    let mut t = state.lock();
+    if t.outgoing.is_empty() && !t.closed {
+        if let Some(cx) = cx {
+            t.writer = Some(cx.waker().clone());
+        }
+        return Poll::Pending;
+    }
+    if batch.is_empty() {
+        std::mem::swap(batch, &mut t.outgoing);
+    } else {
+        batch.append(&mut t.outgoing);
+    }
+    Poll::Ready(!t.closed)
+}
+
+/// Reads the server's frames: completes calls, answers pings, notes go-away; pings a silent
+/// server and gives up on one silent for the keep-alive timeout. The keep-alive timer is
+/// looked at only when the socket has nothing more to read, not per frame.
+async fn read_loop<R>(mut reader: R, state: Arc<State>, config: Config)
+where
+    R: Stream<Item = io::Result<Message>> + Unpin,
+{
+    let mut keepalive = KeepAlive::new(config.keepalive_interval, config.keepalive_timeout);
+    poll_fn(|cx| loop {
+        if state.is_shut() {
+            return Poll::Ready(());
+        }
+        match reader.poll_next_unpin(cx) {
+            Poll::Ready(Some(Ok(msg))) => {
+                keepalive.saw_frame();
+                if !on_frame(&state, msg) {
+                    return Poll::Ready(());
+                }
+            }
+            Poll::Ready(Some(Err(e))) => {
+                tracing::warn!(error = %e, "bad frame from server; closing the connection");
+                return Poll::Ready(());
+            }
+            Poll::Ready(None) => {
+                tracing::debug!("server closed the connection");
+                return Poll::Ready(());
+            }
+            Poll::Pending => {
+                state.reader.register(cx.waker());
+                if state.is_shut() {
+                    return Poll::Ready(());
+                }
+                while let Poll::Ready(tick) = keepalive.poll_tick(cx) {
+                    match tick {
+                        Tick::Alive => {}
+                        Tick::Ping => state.send(Message::control(Kind::Ping, 0)),
+                        Tick::Dead(silent) => {
+                            tracing::warn!(
+                                ?silent,
+                                "server stopped answering keep-alives; closing"
+                            );
+                            return Poll::Ready(());
+                        }
+                    }
+                }
+                return Poll::Pending;
+            }
+        }
+    })
+    .await;
+    state.close();
+}
+
+/// Handles one frame from the server; false if the connection must close.
+fn on_frame(state: &State, msg: Message) -> bool {
+    match msg.header.kind {
+        Kind::Response => {
+            let id = msg.header.id;
+            // None: the call was cancelled or timed out meanwhile.
+            let caller = state.lock().complete(id, Ok(msg));
+            if let Some(w) = caller {
+                w.wake();
+            }
+        }
+        Kind::Ping => state.send(Message::control(Kind::Pong, msg.header.id)),
+        Kind::Pong | Kind::Hello => {}
+        Kind::GoAway => {
+            tracing::info!("server is draining; no new calls on this connection");
+            state.lock().going_away = true;
+        }
+        Kind::Request | Kind::Cancel => {
+            tracing::warn!(kind = %msg.header.kind, "server sent a client-only frame; closing");
+            return false;
+        }
+    }
+    true
 }

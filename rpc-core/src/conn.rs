@@ -1,15 +1,13 @@
-//! Pieces shared by client and server connections: the batching writer and keep-alive.
+//! Pieces shared by client and server connections: keep-alive and body encoding.
 
 use std::cell::RefCell;
-use std::io;
+use std::task::{ready, Context, Poll};
 use std::time::Duration;
 
-use bytes::Bytes;
-use futures::{Sink, SinkExt};
+use bytes::{Bytes, BytesMut};
 use serde::Serialize;
 use tokio::sync::mpsc;
 use tokio::time::{Instant, Interval, MissedTickBehavior};
-use tokio_util::sync::CancellationToken;
 
 use crate::codec::{Codec, CodecError};
 use crate::payload::collect_attachments;
@@ -18,45 +16,6 @@ use crate::Payload;
 
 /// Sends messages to a connection's writer task.
 pub(crate) type Outbox = mpsc::UnboundedSender<Message>;
-
-/// Drives a transport's writer: waits for a message, then takes every message already queued,
-/// and flushes once, so that many calls share one system call (or one doorbell).
-///
-/// When `others_waiting()` says more messages are about to be queued (other calls in flight
-/// whose callers were woken together), it yields once first, so that they join the same write
-/// instead of each costing a system call; with nothing else in flight it writes at once.
-///
-/// Ends when every [`Outbox`] is dropped (after flushing what was queued and closing the
-/// writer) or when writing fails; either way it cancels `closed`.
-pub(crate) async fn write_loop<W>(
-    mut writer: W,
-    mut rx: mpsc::UnboundedReceiver<Message>,
-    closed: CancellationToken,
-    others_waiting: impl Fn() -> bool,
-) where
-    W: Sink<Message, Error = io::Error> + Unpin,
-{
-    let result: io::Result<()> = async {
-        while let Some(msg) = rx.recv().await {
-            if others_waiting() {
-                tokio::task::yield_now().await;
-            }
-            writer.feed(msg).await?;
-            while let Ok(msg) = rx.try_recv() {
-                writer.feed(msg).await?;
-            }
-            writer.flush().await?;
-        }
-        writer.close().await
-    }
-    .await;
-    if let Err(e) = result {
-        if !closed.is_cancelled() {
-            tracing::debug!(error = %e, "write failed; closing the connection");
-        }
-    }
-    closed.cancel();
-}
 
 /// Keep-alive bookkeeping: counts received frames and decides, at each tick, whether to ping
 /// or to give up on a silent peer.
@@ -100,7 +59,16 @@ impl KeepAlive {
 
     /// Waits for the next tick and says what to do.
     pub(crate) async fn tick(&mut self) -> Tick {
-        self.interval.tick().await;
+        std::future::poll_fn(|cx| self.poll_tick(cx)).await
+    }
+
+    /// Polls for the next tick and says what to do.
+    pub(crate) fn poll_tick(&mut self, cx: &mut Context<'_>) -> Poll<Tick> {
+        ready!(self.interval.poll_tick(cx));
+        Poll::Ready(self.judge())
+    }
+
+    fn judge(&mut self) -> Tick {
         if self.seen != self.seen_at_last_tick {
             self.seen_at_last_tick = self.seen;
             self.silent = Duration::ZERO;
@@ -117,12 +85,19 @@ impl KeepAlive {
 
 thread_local! {
     static SCRATCH: RefCell<Vec<u8>> = const { RefCell::new(Vec::new()) };
+    /// Small encoded bodies are cut from this chunk (see [`body_bytes`]).
+    static CHUNK: RefCell<BytesMut> = RefCell::new(BytesMut::new());
 }
+
+/// Size of the per-thread chunks small bodies are cut from.
+const CHUNK_SIZE: usize = 16 * 1024;
+/// Largest body cut from a chunk; larger ones get their own allocation.
+const CHUNK_MAX_BODY: usize = 256;
 
 /// Encodes `value` with codec `C`, lifting payloads out into attachments.
 ///
-/// The body is encoded into a per-thread scratch buffer and copied out once into an exactly
-/// sized `Bytes`: one allocation per message, none for an empty body.
+/// The body is encoded into a per-thread scratch buffer and copied out once (see
+/// [`body_bytes`]): no allocation per small message, none for an empty body.
 pub(crate) fn encode_body<C: Codec, T: Serialize + ?Sized>(
     value: &T,
 ) -> Result<(Bytes, Vec<Payload>), CodecError> {
@@ -130,7 +105,7 @@ pub(crate) fn encode_body<C: Codec, T: Serialize + ?Sized>(
     let encode = |buf: &mut Vec<u8>, attachments: &mut Vec<Payload>| {
         buf.clear();
         collect_attachments(attachments, || C::encode(value, buf))?;
-        Ok(Bytes::copy_from_slice(buf))
+        Ok(body_bytes(buf))
     };
     let body = SCRATCH.with(|s| match s.try_borrow_mut() {
         Ok(mut buf) => {
@@ -145,4 +120,28 @@ pub(crate) fn encode_body<C: Codec, T: Serialize + ?Sized>(
         Err(_) => encode(&mut Vec::new(), &mut attachments),
     })?;
     Ok((body, attachments))
+}
+
+/// A `Bytes` holding a copy of `encoded`.
+///
+/// A small body is a view into a per-thread 16 KiB chunk shared by many bodies (the chunk is
+/// freed when the last of them is dropped), so it costs a reference count instead of a
+/// `malloc` and a `free`; a larger one is allocated to size.
+fn body_bytes(encoded: &[u8]) -> Bytes {
+    if encoded.is_empty() {
+        return Bytes::new();
+    }
+    if encoded.len() > CHUNK_MAX_BODY {
+        return Bytes::copy_from_slice(encoded);
+    }
+    CHUNK.with(|c| match c.try_borrow_mut() {
+        Ok(mut chunk) => {
+            if chunk.capacity() - chunk.len() < encoded.len() {
+                *chunk = BytesMut::with_capacity(CHUNK_SIZE);
+            }
+            chunk.extend_from_slice(encoded);
+            chunk.split().freeze()
+        }
+        Err(_) => Bytes::copy_from_slice(encoded),
+    })
 }
