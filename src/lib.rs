@@ -137,9 +137,12 @@ struct Backoff {
 }
 
 impl Conn {
+    /// The current connection, unless it is gone or its server is going away (then calls
+    /// wait for, or fail fast until, a new connection, as configured, instead of failing on
+    /// the old one until the server closes it).
     fn live(&self) -> Option<rpc_core::Client> {
         let c = self.current.lock().expect("connection lock");
-        (!c.is_closed()).then(|| c.clone())
+        (!c.is_closed() && !c.is_going_away()).then(|| c.clone())
     }
 
     /// The connection to send on, reconnecting if it is gone (as configured).
@@ -153,6 +156,16 @@ impl Conn {
         if self.config.wait_for_reconnect {
             return self.reconnect(&endpoint).await;
         }
+        let why = if self
+            .current
+            .lock()
+            .expect("connection lock")
+            .is_going_away()
+        {
+            "the server is shutting down (it sent go-away)"
+        } else {
+            "not connected"
+        };
         // Fail fast, with one reconnection attempt under way in the background.
         if self.reconnecting.try_lock().is_ok() {
             let me = self.clone();
@@ -162,7 +175,7 @@ impl Conn {
             });
         }
         Err(RpcError::Unavailable(format!(
-            "{endpoint}: not connected (reconnecting in the background)"
+            "{endpoint}: {why} (reconnecting in the background)"
         )))
     }
 

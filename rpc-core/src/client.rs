@@ -349,6 +349,12 @@ impl Client {
         self.inner.state.closed.is_cancelled()
     }
 
+    /// Whether the server said it is shutting down (go-away): calls already sent are answered,
+    /// new ones fail with [`RpcError::Unavailable`]; a caller that can should connect anew.
+    pub fn is_going_away(&self) -> bool {
+        self.inner.state.lock().going_away
+    }
+
     /// Resolves when the connection is gone.
     pub fn closed(&self) -> impl Future<Output = ()> + Send + 'static {
         let token = self.inner.state.closed.clone();

@@ -438,21 +438,30 @@ pub async fn server_flow_control(bind: &Endpoint) {
 pub async fn graceful_shutdown(bind: &Endpoint) {
     let srv = start(bind, Config::default()).await;
     let client = connect(&srv.endpoint).await;
+    let mut fail_fast = Config::default();
+    fail_fast.wait_for_reconnect = false;
+    let other = connect_with(&srv.endpoint, fail_fast).await;
     let c = client.clone();
     let long = tokio::spawn(async move { c.block(31).await });
     srv.probes.started(31).await;
+    // a call in flight keeps each connection open while the server drains
+    let o = other.clone();
+    let other_long = tokio::spawn(async move { o.block(32).await });
+    srv.probes.started(32).await;
     srv.shutdown.shutdown();
-    // New calls on the open connection are refused with a clear error (which one depends on
-    // whether the go-away frame or the call got there first).
-    let e = client.add(1, 1).await.unwrap_err();
+    // New calls are refused with a clear error: by the server, or, once the go-away frame
+    // arrived, by the client, which then looks for a new connection instead (this one fails
+    // fast; a waiting client would wait for a server to come back, as configured).
+    let e = other.add(1, 1).await.unwrap_err();
     assert!(
         matches!(e, RpcError::Unavailable(_))
             || e.server_kind() == Some(ServerErrorKind::ShuttingDown),
         "{e}"
     );
     assert!(e.to_string().contains("shutting down"), "{e}");
-    srv.probes.gate.add_permits(1);
+    srv.probes.gate.add_permits(2);
     assert_eq!(long.await.unwrap().unwrap(), 31);
+    assert_eq!(other_long.await.unwrap().unwrap(), 32);
     tokio::time::timeout(EVENTUALLY, srv.serving)
         .await
         .expect("serve returns after draining")
