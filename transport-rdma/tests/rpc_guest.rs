@@ -514,3 +514,86 @@ async fn push_rendezvous_returns_every_buffer() {
     .await
     .expect("test timed out");
 }
+
+fn rss_kib() -> u64 {
+    std::fs::read_to_string("/proc/self/status")
+        .ok()
+        .and_then(|s| {
+            s.lines()
+                .find(|l| l.starts_with("VmRSS:"))
+                .and_then(|l| l.split_whitespace().nth(1).and_then(|v| v.parse().ok()))
+        })
+        .expect("VmRSS in /proc/self/status")
+}
+
+/// Many idle connections to one server, each with its own registered pools (no shared receive
+/// queue yet): all of them work, and what one costs is measured and bounded, with the default
+/// pools and with small ones (`RdmaOptions::pool_classes`, `recv_slots`).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn many_connections_memory() {
+    let (dev, addr) = target(20_101);
+    tokio::time::timeout(LIMIT, async move {
+        for (label, opts, n) in [
+            ("default pools", RdmaOptions::default(), 16usize),
+            (
+                "small pools",
+                RdmaOptions {
+                    recv_slots: 8,
+                    pool_classes: vec![transport_rdma::SizeClass { size: 64 << 10, count: 4 }],
+                    ..RdmaOptions::default()
+                },
+                64,
+            ),
+        ] {
+            let config = Config::default();
+            let listener = RdmaRpcListener::bind(addr, config.clone(), opts.clone()).expect("bind");
+            let server_pools = listener.pool_monitor();
+            let shutdown = ShutdownHandle::new();
+            let server = tokio::spawn(server::serve(listener, Blob, config.clone(), shutdown.clone(), Default::default()));
+            let rss0 = rss_kib();
+            // as many as the guest allows, up to n
+            let mut clients = Vec::with_capacity(n);
+            let mut stopped = None;
+            for _ in 0..n {
+                match RdmaTransport::connect(addr, config.clone(), opts.clone()).await {
+                    Ok(t) => clients.push(Client::new(t, config.clone())),
+                    Err(e) => {
+                        stopped = Some(e);
+                        break;
+                    }
+                }
+            }
+            if let Some(e) = &stopped {
+                println!("device {dev}: ({label}) the device took {} connections, then: {e}", clients.len());
+            }
+            assert!(clients.len() >= 8, "{label}: only {} connections: {stopped:?}", clients.len());
+            let n = clients.len();
+            for (i, c) in clients.iter().enumerate() {
+                let d = data(64, i as u64);
+                let back: Payload =
+                    c.call::<Bincode, _, _>(ECHO, "Blob.echo", &(Payload::from_owner(d.clone()),)).await.expect("call");
+                assert!(back[..] == d[..]);
+            }
+            let per_conn_kib = rss_kib().saturating_sub(rss0) / n as u64;
+            let registered = server_pools.counts().registered_bytes / n as u64;
+            println!(
+                "device {dev}: {n} idle RDMA connections ({label}): {per_conn_kib} KiB RSS per connection, both ends in one process; server registers {} KiB per connection",
+                registered / 1024
+            );
+            // everything a connection costs is its registered pools (slots, rendezvous) and
+            // small bookkeeping: both ends together stay within twice the registered size
+            // plus 1 MiB
+            assert!(
+                per_conn_kib <= 2 * registered / 1024 + 1024,
+                "{label}: {per_conn_kib} KiB per connection for {} KiB registered per side",
+                registered / 1024
+            );
+            drop(clients);
+            settle(label, &server_pools, |c| c.outstanding() == 0 && c.live_regions == 0).await;
+            shutdown.shutdown();
+            let _ = tokio::time::timeout(Duration::from_secs(20), server).await;
+        }
+    })
+    .await
+    .expect("test timed out");
+}
