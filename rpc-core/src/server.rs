@@ -5,8 +5,10 @@
 use std::any::Any;
 use std::collections::HashMap;
 use std::future::Future;
+use std::hash::{BuildHasherDefault, Hasher};
 use std::io;
 use std::panic::AssertUnwindSafe;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -17,7 +19,7 @@ use std::task::{Context, Poll, Waker};
 use futures::{FutureExt, Sink, SinkExt, StreamExt};
 use serde::de::DeserializeOwned;
 use serde::Serialize;
-use tokio::sync::{mpsc, OwnedSemaphorePermit, Semaphore};
+use tokio::sync::{mpsc, Notify};
 use tokio::task::AbortHandle;
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
@@ -101,6 +103,9 @@ impl Reply {
 #[derive(Debug, Clone, Default)]
 pub struct ShutdownHandle {
     token: CancellationToken,
+    /// Set before `token` is cancelled: read for every request, where the token's own check
+    /// (a mutex) would cost more than the rest of the bookkeeping.
+    flag: Arc<AtomicBool>,
 }
 
 impl ShutdownHandle {
@@ -111,12 +116,13 @@ impl ShutdownHandle {
 
     /// Starts a graceful shutdown (idempotent).
     pub fn shutdown(&self) {
+        self.flag.store(true, Ordering::SeqCst);
         self.token.cancel();
     }
 
     /// Whether shutdown has started.
     pub fn is_shutting_down(&self) -> bool {
-        self.token.is_cancelled()
+        self.flag.load(Ordering::SeqCst)
     }
 
     /// Resolves once shutdown has started.
@@ -137,9 +143,95 @@ pub struct ServerStats {
 #[derive(Clone)]
 struct Ctx {
     config: Config,
-    handler_slots: Arc<Semaphore>,
+    handler_slots: Arc<Slots>,
     shutdown: CancellationToken,
+    /// The shutdown handle's flag: set once shutdown has started.
+    shutting_down: Arc<AtomicBool>,
     stats: Arc<ServerStats>,
+}
+
+/// The server's handler slots (`max_concurrent_handlers`), shared by its connections.
+///
+/// A counter instead of a `tokio::sync::Semaphore`: taking and giving back a slot is one atomic
+/// operation each when nobody waits (the semaphore takes a lock on every release, and most
+/// handlers hold their slot only for one inline poll). Waiters are woken one at a time.
+struct Slots {
+    free: AtomicUsize,
+    /// Connections waiting in [`Slots::take`].
+    waiters: AtomicUsize,
+    freed: Notify,
+}
+
+impl Slots {
+    fn new(n: usize) -> Slots {
+        Slots {
+            free: AtomicUsize::new(n),
+            waiters: AtomicUsize::new(0),
+            freed: Notify::new(),
+        }
+    }
+
+    /// Takes a slot if one is free.
+    fn try_take(&self) -> bool {
+        let mut free = self.free.load(Ordering::Relaxed);
+        loop {
+            if free == 0 {
+                return false;
+            }
+            match self.free.compare_exchange_weak(
+                free,
+                free - 1,
+                Ordering::SeqCst,
+                Ordering::Relaxed,
+            ) {
+                Ok(_) => return true,
+                Err(now) => free = now,
+            }
+        }
+    }
+
+    /// Gives back a slot taken with [`Slots::try_take`] or [`Slots::take`].
+    fn give(&self) {
+        self.free.fetch_add(1, Ordering::SeqCst);
+        // Either a waiter sees the slot when it checks after registering, or it registered
+        // before this load and is woken (a wake-up with nobody listening is kept by `Notify`).
+        if self.waiters.load(Ordering::SeqCst) > 0 {
+            self.freed.notify_one();
+        }
+    }
+
+    /// Waits for a slot and takes it. Dropping the future takes none.
+    async fn take(&self) {
+        struct Waiting<'a>(&'a AtomicUsize);
+        impl Drop for Waiting<'_> {
+            fn drop(&mut self) {
+                self.0.fetch_sub(1, Ordering::SeqCst);
+            }
+        }
+        if self.try_take() {
+            return;
+        }
+        self.waiters.fetch_add(1, Ordering::SeqCst);
+        let _waiting = Waiting(&self.waiters);
+        loop {
+            let freed = self.freed.notified();
+            tokio::pin!(freed);
+            freed.as_mut().enable();
+            if self.try_take() {
+                return;
+            }
+            freed.await;
+        }
+    }
+}
+
+/// A slot held by a handler running in its own task; given back when dropped.
+struct Slot(Arc<Slots>);
+
+impl Drop for Slot {
+    fn drop(&mut self) {
+        self.0.give();
+    }
 }
 
 /// Serves `service` on every connection `listener` accepts until `shutdown` is triggered, then
@@ -154,11 +246,10 @@ pub async fn serve<L: Listener, S: Service>(
 ) {
     let service = Arc::new(service);
     let ctx = Ctx {
-        handler_slots: Arc::new(Semaphore::new(
-            config.max_concurrent_handlers.min(Semaphore::MAX_PERMITS),
-        )),
+        handler_slots: Arc::new(Slots::new(config.max_concurrent_handlers)),
         config,
         shutdown: shutdown.token.clone(),
+        shutting_down: shutdown.flag.clone(),
         stats,
     };
     let connections = TaskTracker::new();
@@ -192,9 +283,71 @@ fn is_resource_exhaustion(e: &io::Error) -> bool {
     matches!(e.raw_os_error(), Some(23) | Some(24) | Some(12) | Some(105))
 }
 
-type Calls = Arc<Mutex<HashMap<u64, AbortHandle>>>;
-type HandlerFuture = Pin<Box<dyn Future<Output = Result<Reply, ServerError>> + Send>>;
+/// Handlers running in their own task, by request id (only those can be cancelled).
+type Calls = Arc<Mutex<HashMap<u64, AbortHandle, BuildHasherDefault<IdHasher>>>>;
 type Outcome = Result<Result<Reply, ServerError>, Box<dyn Any + Send>>;
+
+/// Hashes a request id with one multiplication, folding the high half of the product into
+/// the low one so that every bit of the id reaches the bits the table uses (ids are chosen
+/// by the client; SipHash would cost more than the rest of the bookkeeping of a call).
+#[derive(Default, Clone, Copy)]
+struct IdHasher(u64);
+
+impl Hasher for IdHasher {
+    fn finish(&self) -> u64 {
+        self.0
+    }
+
+    fn write(&mut self, bytes: &[u8]) {
+        for &b in bytes {
+            self.write_u64(self.0 ^ u64::from(b));
+        }
+    }
+
+    fn write_u64(&mut self, n: u64) {
+        let p = u128::from(n ^ self.0) * 0x9e37_79b9_7f4a_7c15;
+        self.0 = (p as u64) ^ ((p >> 64) as u64);
+    }
+}
+
+/// The future of one call to a service (see [`handler_future`]).
+async fn handler_future<S: Service>(
+    service: Arc<S>,
+    method: u32,
+    request: Request,
+) -> Result<Reply, ServerError> {
+    service.dispatch(method, request).await
+}
+
+/// A handler future in a reusable box: the connection keeps one box and runs each handler's
+/// first poll in it; only a handler that has to wait takes the box away (with it into its own
+/// task), and the connection gets a new one. Handlers that answer at once allocate nothing.
+struct Inline<F>(Pin<Box<Option<F>>>);
+
+impl<F: Future> Future for Inline<F> {
+    type Output = F::Output;
+
+    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<F::Output> {
+        let this = self.get_mut();
+        let work = this.0.as_mut().as_pin_mut().expect("a handler in the box");
+        let out = work.poll(cx);
+        if out.is_ready() {
+            this.0.set(None);
+        }
+        out
+    }
+}
+
+/// What became of a request handled by [`Conn::start_request`].
+enum Step {
+    /// Answered at once: send this.
+    Answer(Message),
+    /// Running in its own task, which answers through the outbox.
+    Spawned,
+    /// Not on the fast path (shutdown, unknown method, duplicate id or no free handler
+    /// slot): see [`Conn::on_request`].
+    Slow(Message),
+}
 
 /// What to do after a frame.
 #[derive(PartialEq, Eq)]
@@ -206,8 +359,12 @@ enum Flow {
 /// One connection's state, driven by a single task that reads, runs handlers that finish on
 /// their first poll inline, and writes everything it produced with one flush. Handlers that
 /// have to wait get their own task and send their answer through `outbox`.
-struct Conn<S, W> {
+struct Conn<S, W, H, F> {
     service: Arc<S>,
+    /// Makes a handler future (`handler_future::<S>`; a parameter so that `F` can be named).
+    make: H,
+    /// The box the next handler's first poll runs in (always `None` between requests).
+    inline: Pin<Box<Option<F>>>,
     ctx: Ctx,
     writer: W,
     outbox: Outbox,
@@ -218,7 +375,13 @@ struct Conn<S, W> {
     draining: bool,
 }
 
-impl<S: Service, W: Sink<Message, Error = io::Error> + Unpin> Conn<S, W> {
+impl<S, W, H, F> Conn<S, W, H, F>
+where
+    S: Service,
+    W: Sink<Message, Error = io::Error> + Unpin,
+    H: Fn(Arc<S>, u32, Request) -> F,
+    F: Future<Output = Result<Reply, ServerError>> + Send + 'static,
+{
     async fn send(&mut self, msg: Message) -> io::Result<()> {
         self.writer.feed(msg).await
     }
@@ -230,7 +393,7 @@ impl<S: Service, W: Sink<Message, Error = io::Error> + Unpin> Conn<S, W> {
     /// Starts draining if shutdown was triggered (idempotent): no new calls on this
     /// connection, the client is told with a go-away frame.
     async fn check_shutdown(&mut self) -> io::Result<()> {
-        if !self.draining && self.ctx.shutdown.is_cancelled() {
+        if !self.draining && self.ctx.shutting_down.load(Ordering::SeqCst) {
             self.draining = true;
             self.handlers.close();
             self.send(Message::control(Kind::GoAway, 0)).await?;
@@ -241,7 +404,12 @@ impl<S: Service, W: Sink<Message, Error = io::Error> + Unpin> Conn<S, W> {
     async fn on_frame(&mut self, msg: Message) -> io::Result<Flow> {
         let id = msg.header.id;
         match msg.header.kind {
-            Kind::Request => return self.on_request(msg).await,
+            Kind::Request => match self.start_request(msg) {
+                Step::Answer(answer) => self.send(answer).await?,
+                Step::Spawned => {}
+                // Boxed: keeps this future (moved on every frame) small.
+                Step::Slow(msg) => return Box::pin(self.on_request(msg)).await,
+            },
             Kind::Cancel => {
                 if let Some(h) = self.calls.lock().expect("calls lock").remove(&id) {
                     tracing::debug!(id, "call cancelled by the client");
@@ -260,10 +428,37 @@ impl<S: Service, W: Sink<Message, Error = io::Error> + Unpin> Conn<S, W> {
         Ok(Flow::Continue)
     }
 
+    /// The fast path of a request: no shutdown, a known method, a new id and a free handler
+    /// slot, checked without waiting; anything else is left to [`Conn::on_request`].
+    fn start_request(&mut self, msg: Message) -> Step {
+        let (id, method) = (msg.header.id, msg.header.method);
+        // Shutdown may have started while this task was busy with earlier frames.
+        if self.draining || self.ctx.shutting_down.load(Ordering::Relaxed) {
+            return Step::Slow(msg);
+        }
+        let Some(name) = self.service.method_name(method) else {
+            return Step::Slow(msg);
+        };
+        // Only handlers in their own task are in `calls`; with none, there is no lock to take.
+        if !self.handlers.is_empty() && self.calls.lock().expect("calls lock").contains_key(&id) {
+            return Step::Slow(msg);
+        }
+        if !self.ctx.handler_slots.try_take() {
+            return Step::Slow(msg);
+        }
+        // The deadline counts from when the request was read.
+        let deadline = deadline_of(&msg.header);
+        match self.run(id, method, name, msg, deadline) {
+            Some(answer) => Step::Answer(answer),
+            None => Step::Spawned,
+        }
+    }
+
+    /// Every request that is not on the fast path: refusals, and the wait for a free handler
+    /// slot.
     async fn on_request(&mut self, msg: Message) -> io::Result<Flow> {
         let id = msg.header.id;
         let method = msg.header.method;
-        // Shutdown may have started while this task was busy with earlier frames.
         self.check_shutdown().await?;
         if self.draining {
             self.refuse(
@@ -293,54 +488,70 @@ impl<S: Service, W: Sink<Message, Error = io::Error> + Unpin> Conn<S, W> {
         }
         // The deadline counts from when the request was read, so the wait for a slot below
         // counts against it.
-        let deadline = match msg.header.aux {
-            0 => None,
-            us => Some(Instant::now() + Duration::from_micros(us as u64)),
-        };
+        let deadline = deadline_of(&msg.header);
         // Over the concurrency limit this waits, and the connection is not read meanwhile.
-        let Some(slot) = self.wait_for_slot().await? else {
-            return Ok(Flow::Close);
-        };
+        self.wait_for_slot().await?;
+        // A slot is taken from here on: `run` or the refusal gives it back.
         if deadline.is_some_and(|d| d <= Instant::now()) {
             // The caller has given up: spend no handler on it.
-            drop(slot);
+            self.ctx.handler_slots.give();
             let text = format!("{name} waited for a free handler past the caller's deadline");
             self.refuse(id, ServerErrorKind::DeadlineExceeded, &text)
                 .await?;
             return Ok(Flow::Continue);
         }
+        if let Some(answer) = self.run(id, method, name, msg, deadline) {
+            self.send(answer).await?;
+        }
+        Ok(Flow::Continue)
+    }
+
+    /// Runs request `msg`'s handler, holding a handler slot already taken: its first poll
+    /// here, so that a handler that needs no I/O answers without a task or a wake-up (the
+    /// answer is returned and the slot given back); one that has to wait goes on in its own
+    /// task with the slot, and this returns `None`.
+    fn run(
+        &mut self,
+        id: u64,
+        method: u32,
+        name: &'static str,
+        msg: Message,
+        deadline: Option<Instant>,
+    ) -> Option<Message> {
         let request = Request::new(msg.body, msg.attachments);
-        let service = self.service.clone();
-        let mut work: HandlerFuture =
-            Box::pin(async move { service.dispatch(method, request).await });
-        // First poll here: a handler that needs no I/O answers without a task or a wake-up.
+        self.inline
+            .set(Some((self.make)(self.service.clone(), method, request)));
         let first = {
             let mut cx = Context::from_waker(Waker::noop());
-            std::panic::catch_unwind(AssertUnwindSafe(|| work.as_mut().poll(&mut cx)))
+            let work = self.inline.as_mut().as_pin_mut().expect("just set");
+            std::panic::catch_unwind(AssertUnwindSafe(|| work.poll(&mut cx)))
         };
         let outcome: Outcome = match first {
             Ok(Poll::Ready(r)) => Ok(r),
             Err(panic) => Err(panic),
             Ok(Poll::Pending) => {
+                let work = Inline(std::mem::replace(&mut self.inline, Box::pin(None)));
+                let slot = Slot(self.ctx.handler_slots.clone());
                 self.spawn_call(work, name, deadline, id, slot);
-                return Ok(Flow::Continue);
+                return None;
             }
         };
-        drop(slot);
-        self.send(reply_message(id, name, outcome)).await?;
-        Ok(Flow::Continue)
+        self.inline.set(None);
+        self.ctx.handler_slots.give();
+        Some(reply_message(id, name, outcome))
     }
 
-    /// A handler slot (`None` if the semaphore is closed). While waiting for one, answers of
-    /// this connection's finished handlers are still written: holding them back until a slot
-    /// frees would add up to a whole queue's wait to calls that are already done.
-    async fn wait_for_slot(&mut self) -> io::Result<Option<OwnedSemaphorePermit>> {
-        let acquire = self.ctx.handler_slots.clone().acquire_owned();
+    /// Waits for a handler slot and takes it. While waiting, answers of this connection's
+    /// finished handlers are still written: holding them back until a slot frees would add
+    /// up to a whole queue's wait to calls that are already done.
+    async fn wait_for_slot(&mut self) -> io::Result<()> {
+        let slots = self.ctx.handler_slots.clone();
+        let acquire = slots.take();
         tokio::pin!(acquire);
         loop {
             tokio::select! {
                 biased;
-                slot = &mut acquire => return Ok(slot.ok()),
+                () = &mut acquire => return Ok(()),
                 Some(answer) = self.answers.recv() => {
                     self.send(answer).await?;
                     while let Ok(answer) = self.answers.try_recv() {
@@ -354,11 +565,11 @@ impl<S: Service, W: Sink<Message, Error = io::Error> + Unpin> Conn<S, W> {
 
     fn spawn_call(
         &mut self,
-        work: HandlerFuture,
+        work: Inline<F>,
         name: &'static str,
         deadline: Option<Instant>,
         id: u64,
-        slot: OwnedSemaphorePermit,
+        slot: Slot,
     ) {
         let task = run_call(
             work,
@@ -379,6 +590,11 @@ impl<S: Service, W: Sink<Message, Error = io::Error> + Unpin> Conn<S, W> {
     }
 
     async fn flush(&mut self) -> io::Result<()> {
+        // Usually the socket takes everything at once: then no timer is needed. (A pending
+        // flush registered a no-op waker; the poll below registers the task's.)
+        if let Some(r) = self.writer.flush().now_or_never() {
+            return r;
+        }
         let limit = self.ctx.config.keepalive_timeout;
         match tokio::time::timeout(limit, self.writer.flush()).await {
             Ok(r) => r,
@@ -419,6 +635,8 @@ async fn serve_connection<T: Transport, S: Service>(transport: T, service: Arc<S
     }
     let mut conn = Conn {
         service,
+        make: handler_future::<S>,
+        inline: Box::pin(None),
         ctx,
         writer,
         outbox,
@@ -458,7 +676,19 @@ async fn serve_connection<T: Transport, S: Service>(transport: T, service: Arc<S
                         flow = match frame {
                             Some(Ok(msg)) => {
                                 keepalive.saw_frame();
-                                conn.on_frame(msg).await?
+                                if msg.header.kind == Kind::Request {
+                                    // The common case without an `on_frame` future.
+                                    match conn.start_request(msg) {
+                                        Step::Answer(answer) => conn.send(answer).await?,
+                                        Step::Spawned => {}
+                                        Step::Slow(msg) => {
+                                            Box::pin(conn.on_request(msg)).await?;
+                                        }
+                                    }
+                                    Flow::Continue
+                                } else {
+                                    conn.on_frame(msg).await?
+                                }
                             }
                             Some(Err(e)) => {
                                 if let Some(FrameError::TooLarge { kind: Kind::Request, id, len, limit }) = FrameError::from_io(&e) {
@@ -596,15 +826,23 @@ fn reply_message(id: u64, name: &'static str, outcome: Outcome) -> Message {
     }
 }
 
+/// When the caller of a request gives up: `aux` microseconds from now (0: never).
+fn deadline_of(header: &Header) -> Option<Instant> {
+    match header.aux {
+        0 => None,
+        us => Some(Instant::now() + Duration::from_micros(us as u64)),
+    }
+}
+
 #[allow(clippy::too_many_arguments)]
-async fn run_call(
-    work: HandlerFuture,
+async fn run_call<F: Future<Output = Result<Reply, ServerError>>>(
+    work: Inline<F>,
     name: &'static str,
     deadline: Option<Instant>,
     id: u64,
     calls: Calls,
     outbox: Outbox,
-    _slot: OwnedSemaphorePermit,
+    _slot: Slot,
     stats: Arc<ServerStats>,
 ) {
     use std::sync::atomic::Ordering::Relaxed;
