@@ -27,6 +27,7 @@ transport_suite!(@tests ep;
     size_limits,
     auth_token,
     reconnect_after_restart,
+    connection_limit,
 );
 
 /// The same suite with every rendezvous by sender-push (RDMA WRITE into granted buffers)

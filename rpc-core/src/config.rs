@@ -25,6 +25,10 @@ pub struct Config {
     /// Server: handlers running at once across all connections; further requests wait
     /// (their connection stops being read). Default 4096.
     pub max_concurrent_handlers: usize,
+    /// Server: connections open at once. One more is answered with an `Overloaded` error and
+    /// closed, before anything is read from it or reserved for it (on RDMA, the connection's
+    /// registered pools are set up and freed at once). Default 10,000.
+    pub max_connections: usize,
     /// A connection with no traffic for this long is probed with a ping. Default 5 s.
     pub keepalive_interval: Duration,
     /// A peer silent for this long is declared dead; its calls fail. Default 15 s.
@@ -91,6 +95,7 @@ impl Default for Config {
             max_attachments: 1024,
             max_in_flight: 1024,
             max_concurrent_handlers: 4096,
+            max_connections: 10_000,
             keepalive_interval: Duration::from_secs(5),
             keepalive_timeout: Duration::from_secs(15),
             connect_timeout: Duration::from_secs(10),
@@ -114,7 +119,7 @@ pub struct ConfigError {
 
 impl Config {
     /// The defaults with the endpoint's options applied: `eager_threshold`, `max_message_size`,
-    /// `max_in_flight`, `max_concurrent_handlers` (numbers), `keepalive_ms`,
+    /// `max_in_flight`, `max_concurrent_handlers`, `max_connections` (numbers), `keepalive_ms`,
     /// `keepalive_timeout_ms`, `connect_timeout_ms`, `reconnect_backoff_ms`,
     /// `reconnect_backoff_max_ms` (milliseconds), `reconnect` (`0` or `1`) and `when_down`
     /// (`wait` or `fail`). Other options belong to the transport and are ignored here.
@@ -147,6 +152,7 @@ impl Config {
                 "max_message_size" => self.max_message_size = positive()?,
                 "max_in_flight" => self.max_in_flight = positive()? as usize,
                 "max_concurrent_handlers" => self.max_concurrent_handlers = positive()? as usize,
+                "max_connections" => self.max_connections = positive()? as usize,
                 "keepalive_ms" => self.keepalive_interval = Duration::from_millis(positive()?),
                 "keepalive_timeout_ms" => {
                     self.keepalive_timeout = Duration::from_millis(positive()?)

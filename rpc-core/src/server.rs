@@ -253,6 +253,9 @@ pub async fn serve<L: Listener, S: Service>(
         stats,
     };
     let connections = TaskTracker::new();
+    // one per connection served; taken when accepted, so the limit holds before anything is
+    // read from a connection or reserved for it
+    let conn_permits = Arc::new(tokio::sync::Semaphore::new(ctx.config.max_connections));
     loop {
         tokio::select! {
             biased;
@@ -260,7 +263,14 @@ pub async fn serve<L: Listener, S: Service>(
             accepted = listener.accept() => match accepted {
                 Ok(transport) => {
                     let span = tracing::info_span!("rpc_conn", service = S::NAME, peer = %transport.peer());
-                    connections.spawn(serve_connection(transport, service.clone(), ctx.clone()).instrument(span));
+                    match conn_permits.clone().try_acquire_owned() {
+                        Ok(permit) => {
+                            connections.spawn(serve_connection(transport, service.clone(), ctx.clone(), permit).instrument(span));
+                        }
+                        Err(_) => {
+                            connections.spawn(refuse_connection(transport, ctx.clone()).instrument(span));
+                        }
+                    }
                 }
                 Err(e) => {
                     tracing::warn!(error = %e, "accept failed");
@@ -607,7 +617,37 @@ where
 }
 
 /// Serves one connection until the peer goes away or the server has drained.
-async fn serve_connection<T: Transport, S: Service>(transport: T, service: Arc<S>, ctx: Ctx) {
+/// Answers a connection over `max_connections` with an `Overloaded` error before its greeting
+/// is read, and closes it.
+async fn refuse_connection<T: Transport>(transport: T, ctx: Ctx) {
+    let limit = ctx.config.connect_timeout;
+    let max = ctx.config.max_connections;
+    tracing::warn!(
+        max,
+        "connection refused: the server is at its connection limit"
+    );
+    let Ok(Ok(transport)) = tokio::time::timeout(limit, transport.establish()).await else {
+        return;
+    };
+    let (_reader, mut writer) = transport.split();
+    let refusal = error_message(
+        0,
+        ServerErrorKind::Overloaded,
+        &format!("the server is at its limit of {max} connections"),
+    );
+    let _ = tokio::time::timeout(limit, async {
+        writer.send(refusal).await?;
+        writer.close().await
+    })
+    .await;
+}
+
+async fn serve_connection<T: Transport, S: Service>(
+    transport: T,
+    service: Arc<S>,
+    ctx: Ctx,
+    permit: tokio::sync::OwnedSemaphorePermit,
+) {
     use std::sync::atomic::Ordering::Relaxed;
     let transport =
         match tokio::time::timeout(ctx.config.connect_timeout, transport.establish()).await {
@@ -629,6 +669,7 @@ async fn serve_connection<T: Transport, S: Service>(transport: T, service: Arc<S
     let mut writer = writer;
     if let Some(token) = &ctx.config.auth_token {
         if !authenticate(&mut reader, &mut writer, token, &ctx.config).await {
+            drop(permit);
             ctx.stats.connections.fetch_sub(1, Relaxed);
             return;
         }
@@ -747,6 +788,8 @@ async fn serve_connection<T: Transport, S: Service>(transport: T, service: Arc<S
     conn.handlers.wait().await;
     let limit = conn.ctx.config.keepalive_timeout;
     let _ = tokio::time::timeout(limit, conn.writer.close()).await;
+    // the place is free before the count says so
+    drop(permit);
     conn.ctx.stats.connections.fetch_sub(1, Relaxed);
     tracing::debug!("connection closed");
 }

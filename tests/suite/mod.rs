@@ -95,6 +95,7 @@ macro_rules! transport_suite {
             size_limits,
             auth_token,
             reconnect_after_restart,
+            connection_limit,
         );
     };
     (@tests $ep:ident; $($name:ident),* $(,)?) => {$(
@@ -566,4 +567,43 @@ pub async fn reconnect_after_restart(bind: &Endpoint) {
     fast.client().ensure_connected().await.unwrap();
     assert_eq!(fast.add(4, 4).await.unwrap(), 8);
     again.shutdown.shutdown();
+}
+
+/// A server at `max_connections` answers one more connection with `Overloaded` and closes it;
+/// the connections it serves go on, and a freed place is taken again.
+pub async fn connection_limit(bind: &Endpoint) {
+    let mut config = Config::default();
+    config.max_connections = 2;
+    let srv = start(bind, config).await;
+    let a = connect(&srv.endpoint).await;
+    let b = connect(&srv.endpoint).await;
+    assert_eq!(a.add(1, 1).await.unwrap(), 2);
+    assert_eq!(b.add(2, 2).await.unwrap(), 4);
+    let e = ProbeClient::connect(&srv.endpoint)
+        .await
+        .expect_err("a third connection is refused");
+    assert_eq!(e.server_kind(), Some(ServerErrorKind::Overloaded), "{e}");
+    assert!(e.to_string().contains("limit of 2 connections"), "{e}");
+    assert_eq!(
+        a.add(3, 3).await.unwrap(),
+        6,
+        "the served connections go on"
+    );
+    // closing one frees its place
+    drop(b);
+    tokio::time::timeout(EVENTUALLY, async {
+        while srv
+            .stats
+            .connections
+            .load(std::sync::atomic::Ordering::Relaxed)
+            > 1
+        {
+            tokio::task::yield_now().await;
+        }
+    })
+    .await
+    .expect("the server notices the closed connection");
+    let c = connect(&srv.endpoint).await;
+    assert_eq!(c.add(4, 4).await.unwrap(), 8);
+    srv.shutdown.shutdown();
 }
