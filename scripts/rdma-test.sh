@@ -16,7 +16,8 @@
 #   4. runs the transport's own figures (examples/rpc-perf: small-call round trip with busy-poll
 #      and in completion-event mode, calls/s with 64 in flight, 1 MiB and 16 MiB bandwidth), then
 #      ib_send_lat, ib_write_bw and ib_read_bw (perftest) on both devices (rxe with -x 1, siw
-#      with -R), as the reference;
+#      with -R), as the reference; and a 30 s soak per device (examples/soak.rs: mixed calls,
+#      every byte checked, the server killed or restarted at random), counted as a test;
 #   5. prints which device each run used, the tests' own figures and perftest's, and exits
 #      non-zero if any test failed, a device did not come up, or nothing ran.
 #
@@ -116,20 +117,23 @@ for ex in "${EXAMPLES[@]}"; do
   [ -n "$exe" ] || { echo "rdma-test: no executable for example $ex" >&2; exit 1; }
   cp "$exe" "$OUT/examples/$ex"
 done
-# the transport's own figures (rpc-perf), beside perftest's: RDMA_TEST_RPCPERF=0 skips them
+# the transport's own figures (rpc-perf), beside perftest's, and a short soak with servers
+# killed at random: RDMA_TEST_RPCPERF=0 skips them
 if [ "${RDMA_TEST_RPCPERF:-1}" = 1 ]; then
-  say "building rpc-perf (the transport's figures beside perftest's)"
-  if ! cargo build --manifest-path "$MANIFEST" --profile "$PROFILE" --example rpc-perf --features rdma-rpc/rdma \
-         --message-format=json-render-diagnostics >"$OUT/logs/example-rpc-perf.json" 2>>"$OUT/logs/cargo-build.log"; then
-    echo "rdma-test: building rpc-perf FAILED; last lines of $OUT/logs/cargo-build.log:" >&2
-    tail -n 40 "$OUT/logs/cargo-build.log" >&2
-    exit 1
-  fi
   mkdir -p "$OUT/perf"
-  exe=$(grep '"reason":"compiler-artifact"' "$OUT/logs/example-rpc-perf.json" | grep '"kind":\["example"\]' \
-          | sed -n 's/.*"executable":"\([^"]*\)".*/\1/p' | tail -n 1)
-  [ -n "$exe" ] || { echo "rdma-test: no executable for rpc-perf" >&2; exit 1; }
-  cp "$exe" "$OUT/perf/rpc-perf"
+  for tool in rpc-perf soak; do
+    say "building $tool"
+    if ! cargo build --manifest-path "$MANIFEST" --profile "$PROFILE" --example "$tool" --features rdma-rpc/rdma \
+           --message-format=json-render-diagnostics >"$OUT/logs/example-$tool.json" 2>>"$OUT/logs/cargo-build.log"; then
+      echo "rdma-test: building $tool FAILED; last lines of $OUT/logs/cargo-build.log:" >&2
+      tail -n 40 "$OUT/logs/cargo-build.log" >&2
+      exit 1
+    fi
+    exe=$(grep '"reason":"compiler-artifact"' "$OUT/logs/example-$tool.json" | grep '"kind":\["example"\]' \
+            | sed -n 's/.*"executable":"\([^"]*\)".*/\1/p' | tail -n 1)
+    [ -n "$exe" ] || { echo "rdma-test: no executable for $tool" >&2; exit 1; }
+    cp "$exe" "$OUT/perf/$tool"
+  done
 fi
 NTESTS=$(ls "$OUT/bin" | wc -l)
 NEX=$( (ls "$OUT/examples" 2>/dev/null || true) | wc -l)
@@ -216,6 +220,21 @@ if [ -x perf/rpc-perf ]; then
     rpcperf "$d" "small-call-event-mode" "&busy_poll=0" --op echo --sizes 0 --concurrency 1 --threads 1 --duration 3 --warmup 1
     rpcperf "$d" "64-in-flight" "" --op echo --sizes 64 --concurrency 64 --threads 2 --duration 3 --warmup 1
     rpcperf "$d" "bandwidth" "" --op put --sizes 1m,16m --concurrency 2 --threads 2 --duration 3 --warmup 1
+  done
+fi
+
+# a short soak on each device: mixed calls, every byte checked, the server killed or restarted
+# at random (examples/soak.rs; the long form over TCP is scripts/soak.sh)
+if [ -x perf/soak ]; then
+  for d in "${DEVS[@]}"; do
+    echo "=================== soak on $d"
+    log=logs/soak-$d.log; t=$(now)
+    timeout 300 ./perf/soak --secs 30 --servers 1 --clients 2 --workers 2 --max-size 256k --deadline-ms 20000 \
+      --endpoint "rdma://${IP[$d]}:0?device=$d" > "$log" 2>&1; rc=$?
+    tail -n 8 "$log"
+    if [ $rc = 0 ]; then PASSED=$((PASSED+1)); note "PASS: soak on device $d, $(el $t)"
+    else FAILED=$((FAILED+1)); note "FAIL (exit $rc): soak on device $d, $(el $t)"; fi
+    grep -E '^soak: [0-9]+ calls right|restarted' "$log" | sed 's/^/    /' >> "$SUM"
   done
 fi
 
