@@ -36,6 +36,9 @@
 //!
 //! `scripts/test.sh` runs it with the defaults (about 9 s an attempt).
 
+mod common;
+
+use common::{load_average, rss_kib};
 use std::collections::HashMap;
 use std::process::ExitCode;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
@@ -165,23 +168,6 @@ fn parse_args() -> Result<Opts, String> {
         );
     }
     Ok(o)
-}
-
-fn rss_kib() -> u64 {
-    std::fs::read_to_string("/proc/self/status")
-        .ok()
-        .and_then(|s| {
-            s.lines()
-                .find_map(|l| l.strip_prefix("VmRSS:"))
-                .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
-        })
-        .unwrap_or(0)
-}
-
-fn load_average() -> String {
-    std::fs::read_to_string("/proc/loadavg")
-        .map(|s| s.split_whitespace().take(3).collect::<Vec<_>>().join(" "))
-        .unwrap_or_else(|_| "?".into())
 }
 
 fn pattern(len: usize, seed: u64) -> Vec<u8> {

@@ -43,6 +43,9 @@
 //! counters are not reachable through the facade yet, so that check is left to the RDMA
 //! tests.
 
+mod common;
+
+use common::{load_average, rss_kib};
 use std::collections::BTreeMap;
 use std::process::ExitCode;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -473,23 +476,6 @@ struct OptsView {
 }
 
 // ---------------------------------------------------------------------------------------------
-
-fn rss_kib() -> u64 {
-    std::fs::read_to_string("/proc/self/status")
-        .ok()
-        .and_then(|s| {
-            s.lines()
-                .find_map(|l| l.strip_prefix("VmRSS:"))
-                .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
-        })
-        .unwrap_or(0)
-}
-
-fn load_average() -> String {
-    std::fs::read_to_string("/proc/loadavg")
-        .map(|s| s.split_whitespace().take(3).collect::<Vec<_>>().join(" "))
-        .unwrap_or_else(|_| "?".into())
-}
 
 fn main() -> ExitCode {
     let o = match parse_args() {

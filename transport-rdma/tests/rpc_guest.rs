@@ -90,14 +90,48 @@ fn data(len: usize, seed: u64) -> Vec<u8> {
         .collect()
 }
 
+/// A `Blob` server on `addr` with `opts`: its listener's pool counters, and how to stop it.
+struct BlobServer {
+    pools: PoolMonitor,
+    shutdown: ShutdownHandle,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl BlobServer {
+    fn start(addr: SocketAddr, config: &Config, opts: RdmaOptions) -> BlobServer {
+        let listener = RdmaRpcListener::bind(addr, config.clone(), opts).expect("bind");
+        let pools = listener.pool_monitor();
+        let shutdown = ShutdownHandle::new();
+        let task = tokio::spawn(server::serve(
+            listener,
+            Blob,
+            config.clone(),
+            shutdown.clone(),
+            Default::default(),
+        ));
+        BlobServer {
+            pools,
+            shutdown,
+            task,
+        }
+    }
+
+    /// Shuts it down and waits until `serve` returned.
+    async fn stop(self) {
+        self.shutdown.shutdown();
+        tokio::time::timeout(Duration::from_secs(20), self.task)
+            .await
+            .expect("server stops after shutdown")
+            .expect("server task");
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn rpc_calls_eager_and_rendezvous() {
     let (dev, addr) = target(20_021);
     tokio::time::timeout(LIMIT, async move {
         let config = Config::default();
-        let listener = RdmaRpcListener::bind(addr, config.clone(), RdmaOptions::default()).expect("bind");
-        let shutdown = ShutdownHandle::new();
-        let server = tokio::spawn(server::serve(listener, Blob, config.clone(), shutdown.clone(), Default::default()));
+        let srv = BlobServer::start(addr, &config, RdmaOptions::default());
 
         let transport = RdmaTransport::connect(addr, config.clone(), RdmaOptions::default()).await.expect("connect");
         assert_eq!(transport.device_name(), dev, "client runs on the requested device");
@@ -154,7 +188,7 @@ async fn rpc_calls_eager_and_rendezvous() {
         );
 
         drop(client);
-        shutdown.shutdown();
+        srv.stop().await;
 
         // baseline: the same calls over rdma-rpc's TCP transport, loopback, same machine
         let tcp = transport_tcp::TcpListener::bind("127.0.0.1:0", Config::default()).await.expect("tcp bind");
@@ -180,10 +214,6 @@ async fn rpc_calls_eager_and_rendezvous() {
         drop(tcp_client);
         tcp_shutdown.shutdown();
         let _ = tokio::time::timeout(Duration::from_secs(20), tcp_server).await;
-        tokio::time::timeout(Duration::from_secs(20), server)
-            .await
-            .expect("server stops after shutdown")
-            .expect("server task");
     })
     .await
     .expect("test timed out");
@@ -213,10 +243,8 @@ async fn pools_return_every_buffer() {
     let (dev, addr) = target(20_041);
     tokio::time::timeout(LIMIT, async move {
         let config = Config::default();
-        let listener = RdmaRpcListener::bind(addr, config.clone(), RdmaOptions::default()).expect("bind");
-        let server_pools = listener.pool_monitor();
-        let shutdown = ShutdownHandle::new();
-        let server = tokio::spawn(server::serve(listener, Blob, config.clone(), shutdown.clone(), Default::default()));
+        let srv = BlobServer::start(addr, &config, RdmaOptions::default());
+        let server_pools = srv.pools.clone();
 
         // 1. ordinary calls
         let transport = RdmaTransport::connect(addr, config.clone(), RdmaOptions::default()).await.expect("connect");
@@ -297,11 +325,7 @@ async fn pools_return_every_buffer() {
         let server_end = settle("server side of the killed client", &server_pools, |c| c.outstanding() == 0 && c.live_regions == 0).await;
         println!("device {dev}: pools around a client killed mid-transfer: client at the kill {mid:?}, after {killed_end:?}; server just after {server_mid:?}, at the end {server_end:?}");
 
-        shutdown.shutdown();
-        tokio::time::timeout(Duration::from_secs(20), server)
-            .await
-            .expect("server stops after shutdown")
-            .expect("server task");
+        srv.stop().await;
     })
     .await
     .expect("test timed out");
@@ -367,10 +391,8 @@ async fn forged_keys_hurt_only_their_own_connection() {
     let (dev, addr) = target(20_061);
     tokio::time::timeout(LIMIT, async move {
         let config = Config::default();
-        let listener = RdmaRpcListener::bind(addr, config.clone(), RdmaOptions::default()).expect("bind");
-        let server_pools = listener.pool_monitor();
-        let shutdown = ShutdownHandle::new();
-        let server = tokio::spawn(server::serve(listener, Blob, config.clone(), shutdown.clone(), Default::default()));
+        let srv = BlobServer::start(addr, &config, RdmaOptions::default());
+        let server_pools = srv.pools.clone();
         let good = Client::new(
             RdmaTransport::connect(addr, config.clone(), RdmaOptions::default()).await.expect("connect"),
             config.clone(),
@@ -461,11 +483,7 @@ async fn forged_keys_hurt_only_their_own_connection() {
         drop((forger, liar, exposed, small, honest, src_exposed, src, thief, vandal, good));
         let end = settle("server after the attacks", &server_pools, |c| c.outstanding() == 0 && c.live_regions == 0).await;
         println!("device {dev}: server pools after the attacks: {end:?}");
-        shutdown.shutdown();
-        tokio::time::timeout(Duration::from_secs(20), server)
-            .await
-            .expect("server stops after shutdown")
-            .expect("server task");
+        srv.stop().await;
     })
     .await
     .expect("test timed out");
@@ -479,10 +497,8 @@ async fn push_rendezvous_returns_every_buffer() {
     tokio::time::timeout(LIMIT, async move {
         let config = Config::default();
         let opts = RdmaOptions { push_up_to: u64::MAX, ..RdmaOptions::default() };
-        let listener = RdmaRpcListener::bind(addr, config.clone(), opts.clone()).expect("bind");
-        let server_pools = listener.pool_monitor();
-        let shutdown = ShutdownHandle::new();
-        let server = tokio::spawn(server::serve(listener, Blob, config.clone(), shutdown.clone(), Default::default()));
+        let srv = BlobServer::start(addr, &config, opts.clone());
+        let server_pools = srv.pools.clone();
         let transport = RdmaTransport::connect(addr, config.clone(), opts).await.expect("connect");
         let client_pools = transport.pool_monitor();
         let client = Client::new(transport, config);
@@ -505,11 +521,7 @@ async fn push_rendezvous_returns_every_buffer() {
         let c = settle("client pools after push", &client_pools, |c| c.outstanding() == 0 && c.live_regions == 0).await;
         let s = settle("server pools after push", &server_pools, |c| c.outstanding() == 0 && c.live_regions == 0).await;
         println!("device {dev}: pools after push: client {c:?}, server {s:?}");
-        shutdown.shutdown();
-        tokio::time::timeout(Duration::from_secs(20), server)
-            .await
-            .expect("server stops after shutdown")
-            .expect("server task");
+        srv.stop().await;
     })
     .await
     .expect("test timed out");
@@ -547,10 +559,8 @@ async fn many_connections_memory() {
             ("default pools", RdmaOptions::default(), 16),
         ] {
             let config = Config::default();
-            let listener = RdmaRpcListener::bind(addr, config.clone(), opts.clone()).expect("bind");
-            let server_pools = listener.pool_monitor();
-            let shutdown = ShutdownHandle::new();
-            let server = tokio::spawn(server::serve(listener, Blob, config.clone(), shutdown.clone(), Default::default()));
+            let srv = BlobServer::start(addr, &config, opts.clone());
+            let server_pools = srv.pools.clone();
             let rss0 = rss_kib();
             // as many as the guest allows, up to n
             let mut clients = Vec::with_capacity(n);
@@ -591,8 +601,7 @@ async fn many_connections_memory() {
             );
             drop(clients);
             settle(label, &server_pools, |c| c.outstanding() == 0 && c.live_regions == 0).await;
-            shutdown.shutdown();
-            let _ = tokio::time::timeout(Duration::from_secs(20), server).await;
+            srv.stop().await;
         }
     })
     .await
