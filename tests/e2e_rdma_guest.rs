@@ -13,22 +13,7 @@ fn ep() -> Endpoint {
     format!("rdma://{ip}:0?device={dev}").parse().unwrap()
 }
 
-transport_suite!(@tests ep;
-    round_trip_sizes,
-    frame_at_threshold,
-    many_concurrent_calls,
-    deadline,
-    cancellation,
-    handler_panic,
-    unknown_method_and_bad_arguments,
-    client_flow_control,
-    server_flow_control,
-    graceful_shutdown,
-    size_limits,
-    auth_token,
-    reconnect_after_restart,
-    connection_limit,
-);
+transport_suite!(ep);
 
 /// The same suite with every rendezvous by sender-push (RDMA WRITE into granted buffers)
 /// instead of the default direction.

@@ -843,23 +843,8 @@ impl Qp {
             unsafe { wr.setup_sge(lkey, addr, len as u32) };
             guard.post()
         };
-        if let Err(e) = res {
-            let Some(InFlight {
-                mem: Mem::Pool(buf),
-                ..
-            }) = inflight.remove(&wr_id)
-            else {
-                unreachable!("inserted above")
-            };
-            return Err((
-                RdmaError::Verbs {
-                    op: "ibv_post_recv",
-                    source: Box::new(e),
-                },
-                buf,
-            ));
-        }
-        Ok(wr_id)
+        res.map(|()| wr_id)
+            .map_err(|e| unpost_pool(&mut inflight, wr_id, "ibv_post_recv", e))
     }
 
     /// Posts a signaled RDMA READ of `len` bytes at `remote` into pool buffer `buf` (from its
@@ -922,29 +907,38 @@ impl Qp {
             unsafe { local.setup_sge(lkey, addr, len as u32) };
             guard.post()
         };
-        if let Err(e) = res {
-            let Some(InFlight {
-                mem: Mem::Pool(buf),
-                ..
-            }) = inflight.remove(&wr_id)
-            else {
-                unreachable!("inserted above")
-            };
-            let op = if kind == WrKind::Write {
-                "ibv_post_send (RDMA WRITE)"
-            } else {
-                "ibv_post_send (RDMA READ)"
-            };
-            return Err((
-                RdmaError::Verbs {
-                    op,
-                    source: Box::new(e),
-                },
-                buf,
-            ));
-        }
-        Ok(wr_id)
+        let op = if kind == WrKind::Write {
+            "ibv_post_send (RDMA WRITE)"
+        } else {
+            "ibv_post_send (RDMA READ)"
+        };
+        res.map(|()| wr_id)
+            .map_err(|e| unpost_pool(&mut inflight, wr_id, op, e))
     }
+}
+
+/// A pool work request that failed to post: its buffer comes back out of `inflight`, with the
+/// error.
+fn unpost_pool<E: std::error::Error + Send + Sync + 'static>(
+    inflight: &mut HashMap<u64, InFlight>,
+    wr_id: u64,
+    op: &'static str,
+    e: E,
+) -> (RdmaError, PoolBuf) {
+    let Some(InFlight {
+        mem: Mem::Pool(buf),
+        ..
+    }) = inflight.remove(&wr_id)
+    else {
+        unreachable!("inserted before posting")
+    };
+    (
+        RdmaError::Verbs {
+            op,
+            source: Box::new(e),
+        },
+        buf,
+    )
 }
 
 // ------------------------------------------------------------------------------------------------
