@@ -760,10 +760,29 @@ async fn drive(
     let cq = Arc::clone(&afd.get_ref().0);
     let mut cm_open = true;
     loop {
-        match shared.poll_once(true) {
-            Ok(0) => {}
-            Ok(_) => continue,
-            Err(_) => return,
+        // Keep polling while completions keep coming, and for `busy_poll` after the last one,
+        // before arming: an armed CQ costs the provider work per completion (rxe schedules a
+        // tasklet for every event) and us a wake-up, an event read and a re-arm, each a system
+        // call. Busy traffic therefore never arms the CQ; an idle connection arms it after
+        // `busy_poll` and sleeps.
+        let mut last = Instant::now();
+        loop {
+            match shared.poll_once(true) {
+                Ok(0) => {}
+                Ok(_) => last = Instant::now(),
+                Err(_) => return,
+            }
+            if cm_open {
+                match cm_rx.try_recv() {
+                    Ok(ev) => on_cm_event(&shared, ev),
+                    Err(mpsc::error::TryRecvError::Empty) => {}
+                    Err(mpsc::error::TryRecvError::Disconnected) => cm_open = false,
+                }
+            }
+            if last.elapsed() >= shared.busy_poll {
+                break;
+            }
+            tokio::task::yield_now().await;
         }
         if let Err(e) = cq.arm() {
             fail_all(&shared, &format!("{e}"));
