@@ -199,12 +199,28 @@ for d in "${DEVS[@]}"; do
   done
 done
 
-# the transport's own figures: small-call round trip (busy-poll and completion-event mode, one
-# runtime thread), calls/s with 64 in flight, and put bandwidth at 1 MiB and 16 MiB
-rpcperf() { # rpcperf DEV LABEL ENDPOINT-OPTIONS ARGS...
-  local d=$1 label=$2 eopts=$3; shift 3
-  local log=logs/rpc-perf-$label-$d.log
-  timeout 180 ./perf/rpc-perf --endpoint "rdma://${IP[$d]}:0?device=$d$eopts" "$@" > "$log" 2>&1; local rc=$?
+# the transport's own figures: small-call round trip (busy-poll and completion-event mode; like
+# perftest, server and client in two processes, each with one runtime thread), calls/s with 64 in
+# flight, and put bandwidth at 1 MiB and 16 MiB (these two with client and server in one process)
+PERF_PORT=18600
+rpcperf() { # rpcperf DEV LABEL ENDPOINT-OPTIONS split|one ARGS...
+  local d=$1 label=$2 eopts=$3 mode=$4; shift 4
+  local log=logs/rpc-perf-$label-$d.log rc srv=""
+  if [ "$mode" = split ]; then
+    PERF_PORT=$((PERF_PORT+1))
+    local ep="rdma://${IP[$d]}:$PERF_PORT?device=$d$eopts" slog=logs/rpc-perf-$label-$d-server.log
+    ./perf/rpc-perf --server --threads 1 --endpoint "$ep" > "$slog" 2>&1 & srv=$!
+    # wait (bounded) until the server listens, or has died
+    for _ in $(seq 300); do
+      grep -q "serving on" "$slog" 2>/dev/null && break
+      kill -0 "$srv" 2>/dev/null || break
+      sleep 0.1
+    done
+    timeout 180 ./perf/rpc-perf --client --threads 1 --endpoint "$ep" "$@" > "$log" 2>&1; rc=$?
+    kill "$srv" 2>/dev/null; wait "$srv" 2>/dev/null
+  else
+    timeout 180 ./perf/rpc-perf --endpoint "rdma://${IP[$d]}:0?device=$d$eopts" "$@" > "$log" 2>&1; rc=$?
+  fi
   local rows; rows=$(awk '/bytes +calls/ {on=1; next} on && NF == 7' "$log")
   if [ $rc != 0 ] || [ -z "$rows" ]; then
     note "rpc-perf $d $label: FAILED (exit $rc; see logs/${log##*/})"; tail -n 5 "$log"; PROBLEMS=$((PROBLEMS+1)); return
@@ -216,10 +232,10 @@ rpcperf() { # rpcperf DEV LABEL ENDPOINT-OPTIONS ARGS...
 if [ -x perf/rpc-perf ]; then
   for d in "${DEVS[@]}"; do
     echo "=================== rpc-perf on $d"
-    rpcperf "$d" "small-call-busy-poll" "&busy_poll_us=2000" --op echo --sizes 0 --concurrency 1 --threads 1 --duration 3 --warmup 1
-    rpcperf "$d" "small-call-event-mode" "&busy_poll=0" --op echo --sizes 0 --concurrency 1 --threads 1 --duration 3 --warmup 1
-    rpcperf "$d" "64-in-flight" "" --op echo --sizes 64 --concurrency 64 --threads 2 --duration 3 --warmup 1
-    rpcperf "$d" "bandwidth" "" --op put --sizes 1m,16m --concurrency 2 --threads 2 --duration 3 --warmup 1
+    rpcperf "$d" "small-call-busy-poll" "&busy_poll_us=2000" split --op echo --sizes 0 --concurrency 1 --duration 3 --warmup 1
+    rpcperf "$d" "small-call-event-mode" "&busy_poll=0" split --op echo --sizes 0 --concurrency 1 --duration 3 --warmup 1
+    rpcperf "$d" "64-in-flight" "" one --op echo --sizes 64 --concurrency 64 --threads 2 --duration 3 --warmup 1
+    rpcperf "$d" "bandwidth" "" one --op put --sizes 1m,16m --concurrency 2 --threads 2 --duration 3 --warmup 1
   done
 fi
 
