@@ -96,6 +96,7 @@ macro_rules! transport_suite {
             auth_token,
             reconnect_after_restart,
             connection_limit,
+            server_killed_at_every_stage,
         );
     };
     (@tests $ep:ident; $($name:ident),* $(,)?) => {$(
@@ -606,4 +607,140 @@ pub async fn connection_limit(bind: &Endpoint) {
     let c = connect(&srv.endpoint).await;
     assert_eq!(c.add(4, 4).await.unwrap(), 8);
     srv.shutdown.shutdown();
+}
+
+/// A probe server on a runtime and a thread of its own, so that a test can kill it the way a
+/// process dies: every task, connection and handler dropped at once, no shutdown, no goodbye.
+pub struct Doomed {
+    pub endpoint: Endpoint,
+    pub probes: Probes,
+    kill: tokio::sync::oneshot::Sender<()>,
+    thread: std::thread::JoinHandle<()>,
+}
+
+impl Doomed {
+    pub fn start(bind: &Endpoint, config: Config) -> Doomed {
+        let (imp, probes) = probe();
+        let (kill, killed) = tokio::sync::oneshot::channel::<()>();
+        let (tx, rx) = std::sync::mpsc::channel();
+        let bind = bind.clone();
+        let thread = std::thread::spawn(move || {
+            let rt = tokio::runtime::Builder::new_multi_thread()
+                .worker_threads(1)
+                .enable_all()
+                .build()
+                .expect("server runtime");
+            rt.block_on(async move {
+                let server = Server::bind_with(&bind, config).await.expect("bind");
+                tx.send(server.local_endpoint()).expect("the test waits");
+                tokio::spawn(server.serve(ProbeServer::new(imp)));
+                let _ = killed.await;
+            });
+            // dropping the runtime drops the server, its connections and handlers mid-flight
+            drop(rt);
+        });
+        let endpoint = rx.recv().expect("the server thread started");
+        Doomed {
+            endpoint,
+            probes,
+            kill,
+            thread,
+        }
+    }
+
+    /// Kills the server; returns once its runtime is gone.
+    pub fn kill(self) -> Probes {
+        let _ = self.kill.send(());
+        tokio::task::block_in_place(|| self.thread.join()).expect("server thread");
+        self.probes
+    }
+}
+
+/// The server dies at each stage of a call: before the request, with large payloads in flight
+/// and a handler running, after its reply arrived. Each time, within the keep-alive timeout
+/// (never hanging): every call in flight either returned its exact bytes or failed with
+/// `ConnectionClosed`, a call made afterwards fails with `ConnectionClosed` (reconnection is off
+/// here; `reconnect_after_restart` covers it), a reply received before the death is intact, and
+/// a new connection to a new server works.
+pub async fn server_killed_at_every_stage(bind: &Endpoint) {
+    let mut config = Config::default();
+    config.keepalive_interval = Duration::from_millis(250);
+    config.keepalive_timeout = Duration::from_secs(3);
+    config.reconnect = false;
+    // "within the keep-alive time": its timeout, an interval, and slack for a loaded machine
+    let bound = config.keepalive_timeout * 3;
+    for stage in ["before the request", "mid-call", "after the reply"] {
+        let srv = Doomed::start(bind, config.clone());
+        let client = connect_with(&srv.endpoint, config.clone()).await;
+        let mut echoes = Vec::new();
+        let mut blocked = None;
+        let mut kept = None;
+        match stage {
+            "mid-call" => {
+                for i in 0..4u8 {
+                    let c = client.clone();
+                    echoes.push(tokio::spawn(async move {
+                        let d = pattern(4 << 20, i);
+                        (c.echo(Payload::from(d.clone())).await, d)
+                    }));
+                }
+                let c = client.clone();
+                blocked = Some(tokio::spawn(async move { c.block(77).await }));
+                srv.probes.started(77).await;
+            }
+            "after the reply" => {
+                let d = pattern(1 << 20, 5);
+                let back = client
+                    .echo(Payload::from(d.clone()))
+                    .await
+                    .expect("echo before the death");
+                kept = Some((back, d));
+            }
+            _ => {}
+        }
+        let _probes = srv.kill();
+        for e in echoes {
+            let (r, d) = tokio::time::timeout(bound, e)
+                .await
+                .unwrap_or_else(|_| panic!("[{stage}] a call in flight hangs after the death"))
+                .expect("call task");
+            match r {
+                Ok(back) => assert!(back == d, "[{stage}] an echo came back corrupted"),
+                Err(e) => assert!(matches!(e, RpcError::ConnectionClosed), "[{stage}] {e:?}"),
+            }
+        }
+        if let Some(b) = blocked {
+            let r = tokio::time::timeout(bound, b)
+                .await
+                .unwrap_or_else(|_| panic!("[{stage}] the blocked call hangs after the death"))
+                .expect("call task");
+            assert!(
+                matches!(r, Err(RpcError::ConnectionClosed)),
+                "[{stage}] blocked call: {r:?}"
+            );
+        }
+        let r = tokio::time::timeout(bound, client.add(1, 2))
+            .await
+            .unwrap_or_else(|_| panic!("[{stage}] a new call hangs after the death"));
+        assert!(
+            matches!(r, Err(RpcError::ConnectionClosed)),
+            "[{stage}] new call: {r:?}"
+        );
+        if let Some((back, d)) = kept {
+            assert!(
+                back == d,
+                "[{stage}] a reply received before the death changed"
+            );
+        }
+        // a new server, a new connection
+        let fresh = start(bind, config.clone()).await;
+        let c = connect_with(&fresh.endpoint, config.clone()).await;
+        let d = pattern(2 << 20, 9);
+        let back = c
+            .echo(Payload::from(d.clone()))
+            .await
+            .expect("a call on a new connection");
+        assert!(back == d, "[{stage}] echo on a new connection");
+        fresh.shutdown.shutdown();
+    }
 }

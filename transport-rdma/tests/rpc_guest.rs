@@ -607,3 +607,157 @@ async fn many_connections_memory() {
     .await
     .expect("test timed out");
 }
+
+/// A `Blob` server on a runtime of its own, in a thread of its own, so that it can die the way
+/// a killed process does: every task, connection and handler dropped at once, mid-flight, with
+/// no shutdown and no goodbye.
+struct Doomed {
+    pools: PoolMonitor,
+    kill: tokio::sync::oneshot::Sender<()>,
+    thread: std::thread::JoinHandle<()>,
+}
+
+impl Doomed {
+    fn start(addr: SocketAddr, config: &Config, opts: RdmaOptions) -> Doomed {
+        let (kill, killed) = tokio::sync::oneshot::channel::<()>();
+        let (tx, rx) = std::sync::mpsc::channel();
+        let config = config.clone();
+        let thread = std::thread::spawn(move || {
+            let rt = tokio::runtime::Builder::new_multi_thread()
+                .worker_threads(1)
+                .enable_all()
+                .build()
+                .expect("server runtime");
+            let srv = rt.block_on(async move {
+                let srv = BlobServer::start(addr, &config, opts);
+                tx.send(srv.pools.clone())
+                    .expect("the test waits for the pools");
+                let _ = killed.await;
+                srv
+            });
+            // the server still runs, from its own point of view: its runtime goes first
+            drop(rt);
+            drop(srv);
+        });
+        let pools = rx.recv().expect("the server thread started");
+        Doomed {
+            pools,
+            kill,
+            thread,
+        }
+    }
+
+    /// Kills it; its pool counters afterwards.
+    fn kill(self) -> PoolMonitor {
+        let _ = self.kill.send(());
+        tokio::task::block_in_place(|| self.thread.join()).expect("server thread");
+        self.pools
+    }
+}
+
+/// The server dies at each stage of a call (before the request, with its RDMA READs of our
+/// attachments or its handlers still running, after its reply arrived), with pull and with push
+/// rendezvous. Each time: the client's calls fail with `ConnectionClosed` well within the
+/// keep-alive timeout (never hang), a reply received before the death stays intact, every buffer
+/// of the client's pools comes back (and of the dead server's, once its runtime is gone), and a
+/// new connection to a new server works.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn server_killed_at_every_stage() {
+    let (dev, addr) = target(20_121);
+    tokio::time::timeout(LIMIT, async move {
+        let mut config = Config::default();
+        config.keepalive_interval = Duration::from_millis(250);
+        config.keepalive_timeout = Duration::from_secs(3);
+        // failing "within the keep-alive time": the timeout plus an interval, and slack for TCG
+        let bound = config.keepalive_timeout * 3;
+        let posted = RdmaOptions::default().recv_slots as u64;
+        let mut port = addr.port();
+        for (mode, opts) in [
+            ("pull", RdmaOptions::default()),
+            ("push", RdmaOptions { push_up_to: u64::MAX, ..RdmaOptions::default() }),
+        ] {
+            for stage in ["before the request", "mid-transfer", "after the reply"] {
+                port += 1;
+                let at = SocketAddr::new(addr.ip(), port);
+                let srv = Doomed::start(at, &config, opts.clone());
+                let transport =
+                    RdmaTransport::connect(at, config.clone(), opts.clone()).await.expect("connect");
+                let pools = transport.pool_monitor();
+                let client = Client::new(transport, config.clone());
+                let mut calls = Vec::new();
+                let mut kept: Option<(Payload, Vec<u8>)> = None;
+                match stage {
+                    "before the request" => {}
+                    "mid-transfer" => {
+                        // four 4 MiB attachments: the server READs them (pull) or grants buffers
+                        // we WRITE into (push), then holds them in its handlers
+                        for i in 0..4u64 {
+                            let client = client.clone();
+                            calls.push(tokio::spawn(async move {
+                                let d = data(4 << 20, i);
+                                client
+                                    .call::<Bincode, _, (u64, u64)>(HOLD, "Blob.hold", &(Payload::from_owner(d),))
+                                    .await
+                                    .map(|_| ())
+                            }));
+                        }
+                        // the server has leased a buffer for an attachment: the transfer runs
+                        settle("server mid-transfer", &srv.pools, |c| c.outstanding() > posted).await;
+                    }
+                    _ => {
+                        let d = data(1 << 20, 7);
+                        let back: Payload = client
+                            .call::<Bincode, _, _>(ECHO, "Blob.echo", &(Payload::from_owner(d.clone()),))
+                            .await
+                            .expect("echo before the death");
+                        kept = Some((back, d));
+                    }
+                }
+                let dead_pools = srv.kill();
+                let t0 = Instant::now();
+                for c in calls {
+                    let r = tokio::time::timeout(bound, c)
+                        .await
+                        .unwrap_or_else(|_| panic!("[{mode}, {stage}] a call in flight hangs after the server died"))
+                        .expect("call task");
+                    assert!(matches!(r, Err(rpc_core::RpcError::ConnectionClosed)), "[{mode}, {stage}] call in flight: {r:?}");
+                }
+                let r = tokio::time::timeout(
+                    bound,
+                    client.call::<Bincode, _, (u64, u64)>(DIGEST, "Blob.digest", &(Payload::from_owner(data(64, 1)),)),
+                )
+                .await
+                .unwrap_or_else(|_| panic!("[{mode}, {stage}] a new call hangs after the server died"));
+                assert!(matches!(r, Err(rpc_core::RpcError::ConnectionClosed)), "[{mode}, {stage}] new call: {r:?}");
+                let failed_in = t0.elapsed();
+                if let Some((back, d)) = kept.take() {
+                    assert!(back[..] == d[..], "[{mode}, {stage}] a reply received before the death changed");
+                }
+                drop(client);
+                let c = settle("client pools after the server died", &pools, |c| c.outstanding() == 0 && c.live_regions == 0).await;
+                let s = settle("the dead server's pools", &dead_pools, |c| c.outstanding() == 0 && c.live_regions == 0).await;
+                // a new server, a new connection: it works
+                port += 1;
+                let at = SocketAddr::new(addr.ip(), port);
+                let fresh = BlobServer::start(at, &config, opts.clone());
+                let transport =
+                    RdmaTransport::connect(at, config.clone(), opts.clone()).await.expect("connect to a new server");
+                let client = Client::new(transport, config.clone());
+                let d = data(2 << 20, 9);
+                let (l, h): (u64, u64) = client
+                    .call::<Bincode, _, _>(DIGEST, "Blob.digest", &(Payload::from_owner(d.clone()),))
+                    .await
+                    .expect("a call on a new connection");
+                assert_eq!((l, h), (d.len() as u64, fnv64(&d)), "[{mode}, {stage}] new connection");
+                drop(client);
+                fresh.stop().await;
+                println!(
+                    "device {dev}: server killed {stage} ({mode}): calls failed with ConnectionClosed within {:.0} ms; client pools {c:?}; dead server's pools {s:?}; a new connection works",
+                    failed_in.as_secs_f64() * 1e3
+                );
+            }
+        }
+    })
+    .await
+    .expect("test timed out");
+}
