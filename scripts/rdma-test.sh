@@ -199,9 +199,10 @@ for d in "${DEVS[@]}"; do
   done
 done
 
-# the transport's own figures: small-call round trip (busy-poll and completion-event mode; like
-# perftest, server and client in two processes, each with one runtime thread), calls/s with 64 in
-# flight, and put bandwidth at 1 MiB and 16 MiB (these two with client and server in one process)
+# the transport's own figures: small-call round trip (busy-poll, the default 50 us spin before
+# arming, and completion events alone; like perftest, server and client in two processes, each
+# with one runtime thread), calls/s with 64 in flight, and put bandwidth at 1 MiB and 16 MiB
+# (these two with client and server in one process)
 PERF_PORT=18600
 rpcperf() { # rpcperf DEV LABEL ENDPOINT-OPTIONS split|one ARGS...
   local d=$1 label=$2 eopts=$3 mode=$4; shift 4
@@ -233,6 +234,7 @@ if [ -x perf/rpc-perf ]; then
   for d in "${DEVS[@]}"; do
     echo "=================== rpc-perf on $d"
     rpcperf "$d" "small-call-busy-poll" "&busy_poll_us=2000" split --op echo --sizes 0 --concurrency 1 --duration 3 --warmup 1
+    rpcperf "$d" "small-call-default" "" split --op echo --sizes 0 --concurrency 1 --duration 3 --warmup 1
     rpcperf "$d" "small-call-event-mode" "&busy_poll=0" split --op echo --sizes 0 --concurrency 1 --duration 3 --warmup 1
     rpcperf "$d" "64-in-flight" "" one --op echo --sizes 64 --concurrency 64 --threads 2 --duration 3 --warmup 1
     rpcperf "$d" "bandwidth" "" one --op put --sizes 1m,16m --concurrency 2 --threads 2 --duration 3 --warmup 1
@@ -261,7 +263,9 @@ fi
 # perftest reference figures (same guest, same devices)
 perf() { # perf DEV TOOL ARGS... : server + client on DEV's address; summary line of the client's figures
   local d=$1 tool=$2; shift 2
-  local ip=${IP[$d]} slog=logs/perf-$tool-$d-server.log clog=logs/perf-$tool-$d.log i t=$(now)
+  local mode="" tag=""
+  if [[ " $* " == *" -e "* ]]; then mode=" (completion events)"; tag=-events; fi
+  local ip=${IP[$d]} slog=logs/perf-$tool$tag-$d-server.log clog=logs/perf-$tool$tag-$d.log i t=$(now)
   timeout 120 "$tool" -d "$d" "$@" > "$slog" 2>&1 & local sp=$!
   for i in $(seq 100); do
     if [[ " $* " == *" -R "* ]]; then rdma resource show cm_id 2>/dev/null | grep -q LISTEN && break
@@ -277,7 +281,7 @@ perf() { # perf DEV TOOL ARGS... : server + client on DEV's address; summary lin
   fi
   set -- $row
   case $tool in
-    ib_send_lat) note "perftest $d $tool ${1} B: typical $5 us, avg $6 us, 99% $8 us ($(el $t))" ;;
+    ib_send_lat) note "perftest $d $tool$mode ${1} B: typical $5 us, avg $6 us, 99% $8 us ($(el $t))" ;;
     *) note "perftest $d $tool ${1} B x $2: average $4 MB/s, peak $3 MB/s ($(el $t))" ;;
   esac
 }
@@ -285,6 +289,8 @@ if [ "${RDMA_TEST_PERFTEST:-1}" = 1 ]; then
   for d in "${DEVS[@]}"; do
     if [ "$d" = siw0 ]; then CM=(-R); else CM=(-x 1); fi   # iWARP needs rdma_cm
     perf "$d" ib_send_lat "${CM[@]}" -n 1000 -F
+    # perftest's own price of completion events under TCG, beside our event-mode figure
+    perf "$d" ib_send_lat "${CM[@]}" -n 1000 -F -e
     perf "$d" ib_write_bw "${CM[@]}" -n 2000 -F
     perf "$d" ib_read_bw "${CM[@]}" -n 2000 -F
   done
