@@ -13,11 +13,13 @@
 #      `guest-tests` features, never on ordinary test runs, and FAIL when the named device is
 #      missing), and every example with
 #      the same environment;
-#   4. runs the transport's own figures (examples/rpc-perf: small-call round trip with busy-poll
-#      and in completion-event mode, calls/s with 64 in flight, 1 MiB and 16 MiB bandwidth), then
-#      ib_send_lat, ib_write_bw and ib_read_bw (perftest) on both devices (rxe with -x 1, siw
-#      with -R), as the reference; and a 30 s soak per device (examples/soak.rs: mixed calls,
-#      every byte checked, the server killed or restarted at random), counted as a test;
+#   4. runs the transport's own figures (examples/rpc-perf: small-call round trip with busy-poll,
+#      the default spin and completion events alone, calls/s with 64 in flight, 1 MiB and 16 MiB
+#      bandwidth), then ib_send_lat (busy and with events), ib_write_bw and ib_read_bw
+#      (perftest) on both devices (rxe with -x 1, siw with -R), as the reference; and, each
+#      counted as a test, a 30 s soak per device (examples/soak.rs: mixed calls, every byte
+#      checked, the server killed or restarted at random) and the overload check
+#      (examples/overload.rs: 10x as many callers as handler slots, p99 bound);
 #   5. prints which device each run used, the tests' own figures and perftest's, and exits
 #      non-zero if any test failed, a device did not come up, or nothing ran.
 #
@@ -121,7 +123,7 @@ done
 # killed at random: RDMA_TEST_RPCPERF=0 skips them
 if [ "${RDMA_TEST_RPCPERF:-1}" = 1 ]; then
   mkdir -p "$OUT/perf"
-  for tool in rpc-perf soak; do
+  for tool in rpc-perf soak overload; do
     say "building $tool"
     if ! cargo build --manifest-path "$MANIFEST" --profile "$PROFILE" --example "$tool" --features rdma-rpc/rdma \
            --message-format=json-render-diagnostics >"$OUT/logs/example-$tool.json" 2>>"$OUT/logs/cargo-build.log"; then
@@ -257,6 +259,21 @@ if [ -x perf/soak ]; then
     if [ $rc = 0 ]; then PASSED=$((PASSED+1)); note "PASS: soak on device $d, $(el $t)"
     else FAILED=$((FAILED+1)); note "FAIL (exit $rc): soak on device $d, $(el $t)"; fi
     grep -E '^soak: [0-9]+ calls right|restarted' "$log" | sed 's/^/    /' >> "$SUM"
+  done
+fi
+
+# overload over RDMA: a server at its handler limit under 10x as many callers (examples/overload.rs;
+# the same run as scripts/test.sh's over TCP): callers wait, every answer right, never more than
+# the limit at once, p99 of the accepted calls within the bound derived from the configuration
+if [ -x perf/overload ]; then
+  for d in "${DEVS[@]}"; do
+    echo "=================== overload on $d"
+    log=logs/overload-$d.log; t=$(now)
+    timeout 300 ./perf/overload --endpoint "rdma://${IP[$d]}:0?device=$d" > "$log" 2>&1; rc=$?
+    tail -n 7 "$log"
+    if [ $rc = 0 ]; then PASSED=$((PASSED+1)); note "PASS: overload on device $d, $(el $t)"
+    else FAILED=$((FAILED+1)); note "FAIL (exit $rc): overload on device $d, $(el $t)"; fi
+    grep -E '^latency ms|^expected wait|^refused by deadline' "$log" | sed 's/^/    /' >> "$SUM"
   done
 fi
 
