@@ -39,9 +39,10 @@
 //! with `ShuttingDown`/`Unavailable` (a graceful drain), none wrong or hung; RSS 41 MiB at 1/3
 //! and 38 MiB at the end. `SOAK_TRACE=1` prints every failure with its time on stderr.
 //!
-//! Over RDMA (`--endpoint rdma://…`) the same run applies; the pools' outstanding-buffer
-//! counters are not reachable through the facade yet, so that check is left to the RDMA
-//! tests.
+//! Over RDMA (`--endpoint rdma://…`) the same run applies, and after every server life (killed
+//! or stopped) the server's registered pools must have every buffer back and every region freed
+//! ([`Server::rdma_pools`](rdma_rpc::Server::rdma_pools)); the run fails otherwise. The clients'
+//! side of that check is in the RDMA tests (`server_killed_at_every_stage`).
 
 mod common;
 
@@ -266,6 +267,35 @@ fn parse_args() -> Result<Opts, String> {
 struct Restarts {
     killed: AtomicU64,
     graceful: AtomicU64,
+    /// server lives whose RDMA buffer pools were checked after the server died
+    pools_checked: AtomicU64,
+    /// lives after which a buffer was still out or a region still registered
+    pool_leaks: Mutex<Vec<String>>,
+}
+
+impl Restarts {
+    /// After a server life ended (its runtime dropped): every buffer of its RDMA pools is back
+    /// and every region freed (waits a little for a straggling drop); TCP has no pools.
+    #[cfg(feature = "rdma")]
+    fn check_pools(&self, index: usize, pools: Pools) {
+        let Some(pools) = pools else { return };
+        let give_up = Instant::now() + Duration::from_secs(5);
+        let mut c = pools.counts();
+        while (c.outstanding() != 0 || c.live_regions != 0) && Instant::now() < give_up {
+            thread::sleep(Duration::from_millis(10));
+            c = pools.counts();
+        }
+        self.pools_checked.fetch_add(1, Ordering::Relaxed);
+        if c.outstanding() != 0 || c.live_regions != 0 {
+            self.pool_leaks
+                .lock()
+                .unwrap()
+                .push(format!("server {index}: {c:?}"));
+        }
+    }
+
+    #[cfg(not(feature = "rdma"))]
+    fn check_pools(&self, _: usize, _: Pools) {}
 }
 
 /// Starts server `index` on `bind` in a runtime of its own, in a thread that kills and
@@ -293,6 +323,7 @@ fn spawn_server(
             bind = server.local_endpoint();
             let _ = ep_tx.send(bind.clone());
             let shutdown = server.shutdown_handle();
+            let pools = pools_of(&server);
             let serving = rt.spawn(server.serve(SoakServer::new(SoakImpl)));
             // Up for a random time, or until told to stop the chaos: then it stays up until
             // the stop channel closes, and shuts down gracefully.
@@ -305,6 +336,8 @@ fn spawn_server(
                     let drained = rt.block_on(async {
                         tokio::time::timeout(Duration::from_secs(30), serving).await
                     });
+                    drop(rt);
+                    restarts.check_pools(index, pools);
                     return match drained {
                         Ok(_) => Ok(()),
                         Err(_) => Err(format!("server {index}: no drain within 30 s")),
@@ -327,6 +360,7 @@ fn spawn_server(
             }
             // Kill: every task of the server (listener, connections, handlers) is dropped.
             drop(rt);
+            restarts.check_pools(index, pools);
             thread::sleep(Duration::from_millis(rng.range(down.0, down.1)));
         }
     });
@@ -334,6 +368,23 @@ fn spawn_server(
         .recv_timeout(Duration::from_secs(30))
         .expect("the server starts");
     (ep, thread)
+}
+
+/// The server's RDMA pool counters (none over TCP).
+#[cfg(feature = "rdma")]
+type Pools = Option<rdma_rpc::PoolMonitor>;
+/// A build without RDMA has no pools.
+#[cfg(not(feature = "rdma"))]
+type Pools = Option<std::convert::Infallible>;
+
+#[cfg(feature = "rdma")]
+fn pools_of(server: &Server) -> Pools {
+    server.rdma_pools()
+}
+
+#[cfg(not(feature = "rdma"))]
+fn pools_of(_: &Server) -> Pools {
+    None
 }
 
 /// Binds, retrying for a while if the port is still held by the server just killed.
@@ -644,6 +695,14 @@ async fn run(o: &Opts) -> Result<(), String> {
         restarts.graceful.load(Ordering::Relaxed),
         if recovered.is_ok() { "all" } else { "NOT ALL" }
     );
+    let checked = restarts.pools_checked.load(Ordering::Relaxed);
+    if checked > 0 {
+        println!(
+            "soak: RDMA pools checked after {checked} server lives (killed or stopped): {} with a \
+             buffer or region not returned",
+            restarts.pool_leaks.lock().unwrap().len()
+        );
+    }
     println!(
         "soak: RSS max over [1/4, 1/3] of the run {third} KiB, over the last twelfth {end} KiB \
          ({:+} KiB; tolerance {tolerance} KiB); peak {peak} KiB",
@@ -672,6 +731,15 @@ async fn run(o: &Opts) -> Result<(), String> {
     if ok < 10 * failed.max(1) {
         problems.push(format!(
             "only {ok} calls succeeded against {failed} failures"
+        ));
+    }
+    let leaks = restarts.pool_leaks.lock().unwrap().clone();
+    if !leaks.is_empty() {
+        problems.push(format!(
+            "buffers or regions of the RDMA pools not returned after {} of {} server lives: {}",
+            leaks.len(),
+            restarts.pools_checked.load(Ordering::Relaxed),
+            leaks.join(", ")
         ));
     }
     if restarts.killed.load(Ordering::Relaxed) == 0 {

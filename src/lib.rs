@@ -70,6 +70,9 @@ pub use rpc_core::{
     Scheme, Secret, ServerError, ServerErrorKind, ShutdownHandle,
 };
 pub use rpc_macros::rdma_service;
+/// Counters of registered RDMA buffer pools ([`Server::rdma_pools`]).
+#[cfg(feature = "rdma")]
+pub use transport_rdma::{PoolCounts, PoolMonitor};
 
 use rpc_core::server::ServerStats;
 use serde::de::DeserializeOwned;
@@ -432,6 +435,19 @@ impl Server {
     /// Live counters (connections, running handlers).
     pub fn stats(&self) -> Arc<ServerStats> {
         self.stats.clone()
+    }
+
+    /// The counters of the registered buffer pools of every connection this server accepts
+    /// over RDMA (`None` over TCP, which registers no memory). The monitor stays readable
+    /// after [`serve`](Server::serve) took the server, so that once the server stopped (or
+    /// its runtime was dropped) one can check that every buffer came back and every region was
+    /// freed: `outstanding() == 0 && live_regions == 0`.
+    #[cfg(feature = "rdma")]
+    pub fn rdma_pools(&self) -> Option<PoolMonitor> {
+        match &self.listener {
+            AnyListener::Tcp(_) => None,
+            AnyListener::Rdma(l) => Some(l.pool_monitor()),
+        }
     }
 
     /// Serves `service` on every connection until shut down.
