@@ -29,7 +29,12 @@
 //!   write into (delivered as views in the same way). When
 //!   the pool cannot lend (exhausted, or an attachment larger than the largest class) a buffer
 //!   is registered for that transfer alone rather than waiting (two peers waiting for each
-//!   other's `Fin` could deadlock); [`PoolCounts::fallback_registrations`] counts those.
+//!   other's `Fin` could deadlock); [`PoolCounts::fallback_registrations`] counts those. The
+//!   ones registered for the peer's transfers into us (pull sinks, push grants, until the
+//!   payloads received in them are dropped) are bounded per connection by
+//!   [`RdmaOptions::max_fallback_bytes`]: a transfer beyond it waits, beside the receive loop,
+//!   until earlier payloads are dropped, so no peer can make a connection register more
+//!   ([`PoolCounts::fallback_bytes`], `fallback_bytes_peak`).
 //!
 //! **Cancel safety.** A posted work request owns its buffer (moved into the QP's in-flight
 //! table) until its completion is polled or the QP is destroyed; a dropped call, a dropped
@@ -127,6 +132,10 @@ pub fn is_available() -> bool {
 /// on siw.
 pub const DEFAULT_PUSH_UP_TO: u64 = 0;
 
+/// The default of [`RdmaOptions::max_fallback_bytes`]: 256 MiB (raised to the config's
+/// `max_message_size`, 1 GiB by default).
+pub const DEFAULT_MAX_FALLBACK_BYTES: u64 = 256 << 20;
+
 /// Tuning of a connection.
 #[derive(Debug, Clone)]
 pub struct RdmaOptions {
@@ -151,6 +160,15 @@ pub struct RdmaOptions {
     /// size classes of each connection's registered rendezvous pool (strictly increasing
     /// sizes; the total is registered once per connection, at set-up)
     pub pool_classes: Vec<SizeClass>,
+    /// The most bytes of buffers registered outside the pool (because the pool could not lend
+    /// one, or an attachment is larger than its largest class) that one connection holds at
+    /// once for the peer's transfers into it: the sinks of its pulls and the buffers granted
+    /// to its pushes, until the payloads received in them are dropped. A transfer that would
+    /// go over waits until earlier ones are dropped, so a peer (hostile or just busy) cannot
+    /// make a connection register more than this (plus its pools). Raised to the config's
+    /// `max_message_size` if below it, so that every message the config admits can be
+    /// received.
+    pub max_fallback_bytes: u64,
 }
 
 impl Default for RdmaOptions {
@@ -164,6 +182,7 @@ impl Default for RdmaOptions {
             connect_timeout: Duration::from_secs(10),
             device: None,
             push_up_to: DEFAULT_PUSH_UP_TO,
+            max_fallback_bytes: DEFAULT_MAX_FALLBACK_BYTES,
             // 15 MiB per connection
             pool_classes: vec![
                 SizeClass {

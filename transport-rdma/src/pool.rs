@@ -19,6 +19,12 @@ pub struct PoolCounts {
     /// rendezvous buffers registered on their own because the pool could not lend one (an
     /// `ibv_reg_mr` off the pool; 0 when the pools are sized for the load)
     pub fallback_registrations: u64,
+    /// bytes of such buffers held now for the peer's transfers into us (pull sinks, push
+    /// grants, and the payloads received in them), bounded per connection by
+    /// [`RdmaOptions::max_fallback_bytes`](crate::RdmaOptions::max_fallback_bytes)
+    pub fallback_bytes: u64,
+    /// the most `fallback_bytes` seen at once
+    pub fallback_bytes_peak: u64,
     /// pool regions still registered (a connection's regions go once the connection and
     /// every buffer of it, posted or held by a payload, are gone)
     pub live_regions: usize,
@@ -47,6 +53,8 @@ struct Inner {
     /// counters of pools whose region is gone
     retired: Mutex<PoolCounts>,
     fallback: AtomicU64,
+    fallback_bytes: AtomicU64,
+    fallback_bytes_peak: AtomicU64,
 }
 
 impl std::fmt::Debug for PoolMonitor {
@@ -74,6 +82,19 @@ impl PoolMonitor {
         self.inner.fallback.fetch_add(1, Ordering::Relaxed);
     }
 
+    /// `n` bytes of fallback buffers for inbound transfers are now held (see `PoolCounts`).
+    pub(crate) fn hold_fallback_bytes(&self, n: u64) {
+        let now = self.inner.fallback_bytes.fetch_add(n, Ordering::AcqRel) + n;
+        self.inner
+            .fallback_bytes_peak
+            .fetch_max(now, Ordering::AcqRel);
+    }
+
+    /// `n` bytes held by `hold_fallback_bytes` are released.
+    pub(crate) fn release_fallback_bytes(&self, n: u64) {
+        self.inner.fallback_bytes.fetch_sub(n, Ordering::AcqRel);
+    }
+
     fn retire_dead(&self, live: &mut Vec<(rpc_core::pool::Pool, Weak<PoolRegion>)>) {
         let mut retired = self.inner.retired.lock().unwrap_or_else(|p| p.into_inner());
         live.retain(|(pool, region)| {
@@ -97,6 +118,8 @@ impl PoolMonitor {
             c.registered_bytes += pool.region_len() as u64;
         }
         c.fallback_registrations = self.inner.fallback.load(Ordering::Relaxed);
+        c.fallback_bytes = self.inner.fallback_bytes.load(Ordering::Acquire);
+        c.fallback_bytes_peak = self.inner.fallback_bytes_peak.load(Ordering::Acquire);
         c
     }
 }

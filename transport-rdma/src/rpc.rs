@@ -51,13 +51,13 @@ use rpc_core::rendezvous::{
 };
 use rpc_core::wire::{Limits, Message};
 use rpc_core::{Config, Payload};
-use tokio::sync::{mpsc, Notify};
+use tokio::sync::{mpsc, Notify, OwnedSemaphorePermit, Semaphore};
 
 use crate::conn::PendingConnection;
 use crate::verbs::PoolBuf;
 use crate::{
-    PoolMonitor, RdmaBuffer, RdmaConnection, RdmaError, RdmaListener, RdmaOptions, RemoteAccess,
-    RemoteExposure, RemoteToken, SendCompletion,
+    FrozenBuffer, PoolMonitor, RdmaBuffer, RdmaConnection, RdmaError, RdmaListener, RdmaOptions,
+    RemoteAccess, RemoteExposure, RemoteToken, SendCompletion,
 };
 
 fn to_io(e: RdmaError) -> io::Error {
@@ -84,7 +84,8 @@ impl RdmaOptions {
     /// The defaults with an `rdma://` endpoint's transport options applied: `device=NAME`,
     /// `busy_poll=0|1` (off, or the default spin), `busy_poll_us=N`, `recv_slots=N`,
     /// `slot_size=N` (both sides must agree on these two), `push_up_to=N` or
-    /// `rendezvous=pull|push` (see [`RdmaOptions::push_up_to`]). Other options are ignored.
+    /// `rendezvous=pull|push` (see [`RdmaOptions::push_up_to`]), `max_fallback_bytes=N`.
+    /// Other options are ignored.
     pub fn from_endpoint(ep: &rpc_core::Endpoint) -> Result<RdmaOptions, RdmaError> {
         let mut o = RdmaOptions::default();
         let num = |k: &str, v: &str| {
@@ -107,6 +108,7 @@ impl RdmaOptions {
                 "busy_poll_us" => o.busy_poll = std::time::Duration::from_micros(num(k, v)?),
                 "recv_slots" => o.recv_slots = num(k, v)? as usize,
                 "push_up_to" => o.push_up_to = num(k, v)?,
+                "max_fallback_bytes" => o.max_fallback_bytes = num(k, v)?,
                 "rendezvous" => {
                     o.push_up_to = match v {
                         "pull" => 0,
@@ -143,6 +145,7 @@ pub struct RdmaTransport {
     config: Config,
     peer: String,
     push_up_to: u64,
+    max_fallback_bytes: u64,
 }
 
 enum State {
@@ -170,6 +173,7 @@ impl RdmaTransport {
         let conn = RdmaConnection::connect(addr, effective(&opts, &config)).await?;
         let mut t = RdmaTransport::new(conn, config, addr.to_string());
         t.push_up_to = opts.push_up_to;
+        t.max_fallback_bytes = opts.max_fallback_bytes;
         Ok(t)
     }
 
@@ -191,6 +195,7 @@ impl RdmaTransport {
             config,
             peer,
             push_up_to: crate::DEFAULT_PUSH_UP_TO,
+            max_fallback_bytes: crate::DEFAULT_MAX_FALLBACK_BYTES,
         }
     }
 
@@ -241,6 +246,9 @@ impl rpc_core::Transport for RdmaTransport {
             }
         };
         let slots = conn.recv_slots() as u32;
+        // every message the config admits must fit (each of its buffers rounded up to a unit)
+        let inbound_units = units(self.max_fallback_bytes)
+            .max(units(self.config.max_message_size) + u64::from(self.config.max_attachments));
         let (ctl_tx, ctl_rx) = mpsc::unbounded_channel();
         let engine = Arc::new(Engine {
             slot: conn.max_message_size(),
@@ -257,6 +265,10 @@ impl rpc_core::Transport for RdmaTransport {
             limits: self.config.limits(),
             eager_threshold: self.config.eager_threshold,
             push_up_to: self.push_up_to,
+            inbound: Arc::new(Semaphore::new(
+                usize::try_from(inbound_units).unwrap_or(Semaphore::MAX_PERMITS),
+            )),
+            inbound_units,
         });
         let (msg_tx, msg_rx) = fmpsc::channel(64);
         // Unbounded, yet at most `slots` messages: a delivered message holds its slot's credit
@@ -293,6 +305,7 @@ impl rpc_core::Transport for RdmaTransport {
                     config: self.config,
                     peer,
                     push_up_to: self.push_up_to,
+                    max_fallback_bytes: self.max_fallback_bytes,
                 })
             }
         }
@@ -376,9 +389,11 @@ enum Held {
     View(#[allow(dead_code)] Payload),
     /// the pool had no buffer: one registered for this transfer only
     Own {
-        // drop order: revoke the peer's access, then free the memory
+        // drop order: revoke the peer's access, free the memory, then release its budget
         exposure: RemoteExposure,
         buf: RdmaBuffer,
+        /// for a buffer granted to the peer's push: its share of the fallback budget
+        budget: Option<Reserved>,
     },
     /// the pool had no buffer for a push source: one registered (local access) for it
     Local(RdmaBuffer),
@@ -391,11 +406,20 @@ impl Held {
             Held::Empty => Ok(Payload::new()),
             Held::Pool(buf) => Ok(Payload::from_owner(buf.freeze())),
             Held::View(p) => Ok(p),
-            Held::Own { exposure, buf } => {
+            Held::Own {
+                exposure,
+                buf,
+                budget,
+            } => {
                 drop(exposure);
-                buf.freeze()
-                    .map(Payload::from_owner)
-                    .map_err(|_| RdmaError::BufferBusy)
+                let frozen = buf.freeze().map_err(|_| RdmaError::BufferBusy)?;
+                Ok(match budget {
+                    Some(reserved) => Payload::from_owner(Budgeted {
+                        buf: frozen,
+                        _reserved: reserved,
+                    }),
+                    None => Payload::from_owner(frozen),
+                })
             }
             Held::Local(buf) => buf
                 .freeze()
@@ -438,6 +462,10 @@ struct Engine {
     eager_threshold: usize,
     /// messages with at most this many bulk bytes go by sender-push, larger ones by pull
     push_up_to: u64,
+    /// the budget of fallback buffers for the peer's transfers into us, in `BUDGET_UNIT`s
+    /// (see [`RdmaOptions::max_fallback_bytes`])
+    inbound: Arc<Semaphore>,
+    inbound_units: u64,
     slot: usize,
     pool: PoolMonitor,
 }
@@ -461,6 +489,8 @@ impl Engine {
 
     fn shutdown(&self) {
         self.conn.close();
+        // transfers waiting for budget give up
+        self.inbound.close();
         let _ = self.ctl_tx.send(Ctl::Shutdown);
         self.credit_changed.notify_waiters();
     }
@@ -608,7 +638,11 @@ impl Engine {
                         len: t.len,
                         rkey: t.rkey,
                     });
-                    held.push(Held::Own { exposure, buf });
+                    held.push(Held::Own {
+                        exposure,
+                        buf,
+                        budget: None,
+                    });
                 }
                 let id = lock(&self.proto).transfers.start_pull(held);
                 self.send_packet(true, |out, c| {
@@ -621,43 +655,153 @@ impl Engine {
 
     /// Reads the peer's segments into registered buffers: the payloads of the message.
     async fn pull(&self, segments: &[Segment]) -> Result<Vec<Payload>, RdmaError> {
-        let mut out = Vec::with_capacity(segments.len());
+        // the sinks first: pool buffers where the pool lends, the others registered, their
+        // budget reserved in one go
+        let mut sinks = Vec::with_capacity(segments.len());
+        let mut fallback = Vec::new();
         for s in segments {
-            if s.len == 0 {
-                out.push(Payload::new());
-                continue;
-            }
             let len = usize::try_from(s.len)
                 .map_err(|_| RdmaError::InvalidArgument("segment too large".into()))?;
+            let sink = if len == 0 {
+                None
+            } else if let Some(buf) = self.conn.lease_buffer(len) {
+                Some(Some(buf))
+            } else {
+                fallback.push(len);
+                Some(None)
+            };
+            sinks.push(sink);
+        }
+        let mut reserved = self.reserve_inbound(&fallback).await?.into_iter();
+        let mut out = Vec::with_capacity(segments.len());
+        for (s, sink) in segments.iter().zip(sinks) {
+            let len = s.len as usize;
             let token = RemoteToken {
                 addr: s.addr,
                 len: s.len,
                 rkey: s.rkey,
             };
-            if let Some(buf) = self.conn.lease_buffer(len) {
-                // the payload is a view of the pool buffer the data arrived in
-                let buf = self.conn.read_into_pool(buf, &token, len).await?;
-                out.push(Payload::from_owner(buf.freeze()));
-                continue;
+            match sink {
+                None => out.push(Payload::new()),
+                Some(Some(buf)) => {
+                    // the payload is a view of the pool buffer the data arrived in
+                    let buf = self.conn.read_into_pool(buf, &token, len).await?;
+                    out.push(Payload::from_owner(buf.freeze()));
+                }
+                Some(None) => {
+                    let reserved = reserved
+                        .next()
+                        .ok_or_else(|| RdmaError::InvalidArgument("budget miscounted".into()))?;
+                    self.pool.count_fallback();
+                    let mut buf = self.conn.alloc_buffer(len)?;
+                    self.conn.read(&mut buf, 0, &token, 0, len).await?;
+                    let frozen = buf.freeze().map_err(|_| RdmaError::BufferBusy)?;
+                    out.push(Payload::from_owner(Budgeted {
+                        buf: frozen,
+                        _reserved: reserved,
+                    }));
+                }
             }
-            self.pool.count_fallback();
-            let mut buf = self.conn.alloc_buffer(len)?;
-            self.conn.read(&mut buf, 0, &token, 0, len).await?;
-            let frozen = buf.freeze().map_err(|_| RdmaError::BufferBusy)?;
-            out.push(Payload::from_owner(frozen));
+        }
+        Ok(out)
+    }
+
+    /// Reserves the fallback budget for buffers of `lens` bytes, all at once (two transfers
+    /// that each hold part of the budget and wait for the rest would wait for ever); waits
+    /// while earlier transfers' buffers hold it.
+    async fn reserve_inbound(&self, lens: &[usize]) -> Result<Vec<Reserved>, RdmaError> {
+        let total: u64 = lens.iter().map(|&l| units(l as u64)).sum();
+        if total == 0 {
+            return Ok(Vec::new());
+        }
+        if total > self.inbound_units {
+            return Err(RdmaError::InvalidArgument(format!(
+                "the peer's transfer needs {} bytes of registered buffers, more than this \
+                 connection's budget (max_fallback_bytes)",
+                lens.iter().sum::<usize>()
+            )));
+        }
+        let count = u32::try_from(total)
+            .map_err(|_| RdmaError::InvalidArgument("transfer too large".into()))?;
+        let mut permit = Arc::clone(&self.inbound)
+            .acquire_many_owned(count)
+            .await
+            .map_err(|_| {
+                RdmaError::Closed(Some("closed while waiting for buffer budget".into()))
+            })?;
+        let mut out = Vec::with_capacity(lens.len());
+        for &len in lens {
+            let share = permit
+                .split(units(len as u64) as usize)
+                .ok_or_else(|| RdmaError::InvalidArgument("budget miscounted".into()))?;
+            self.pool.hold_fallback_bytes(len as u64);
+            out.push(Reserved {
+                _permit: share,
+                bytes: len as u64,
+                pool: self.pool.clone(),
+            });
         }
         Ok(out)
     }
 }
 
+/// Granularity of the fallback budget.
+const BUDGET_UNIT: u64 = 4096;
+
+fn units(bytes: u64) -> u64 {
+    bytes.div_ceil(BUDGET_UNIT)
+}
+
+/// A fallback buffer's share of its connection's budget, held until the buffer (or the payload
+/// received in it) is dropped.
+struct Reserved {
+    _permit: OwnedSemaphorePermit,
+    bytes: u64,
+    pool: PoolMonitor,
+}
+
+impl Drop for Reserved {
+    fn drop(&mut self) {
+        self.pool.release_fallback_bytes(self.bytes);
+    }
+}
+
+/// A payload received in a fallback buffer: the buffer, then its budget, go when it is dropped.
+struct Budgeted {
+    buf: FrozenBuffer,
+    _reserved: Reserved,
+}
+
+impl AsRef<[u8]> for Budgeted {
+    fn as_ref(&self) -> &[u8] {
+        self.buf.as_ref()
+    }
+}
+
 impl Engine {
-    /// Buffers for the peer's push transfer of attachments of `lens` bytes, and their segments.
-    fn grant(&self, lens: &[u64]) -> Result<(Vec<Held>, Vec<Segment>), RdmaError> {
-        let mut held = Vec::with_capacity(lens.len());
-        let mut segments = Vec::with_capacity(lens.len());
+    /// Buffers for the peer's push transfer of attachments of `lens` bytes, and their segments
+    /// (waits while the fallback budget is taken, see `reserve_inbound`).
+    async fn grant(&self, lens: &[u64]) -> Result<(Vec<Held>, Vec<Segment>), RdmaError> {
+        let mut leased = Vec::with_capacity(lens.len());
+        let mut fallback = Vec::new();
         for &len in lens {
             let len = usize::try_from(len)
                 .map_err(|_| RdmaError::InvalidArgument("attachment too large".into()))?;
+            let buf = if len == 0 {
+                None
+            } else {
+                let buf = self.conn.lease_buffer(len);
+                if buf.is_none() {
+                    fallback.push(len);
+                }
+                buf
+            };
+            leased.push((len, buf));
+        }
+        let mut reserved = self.reserve_inbound(&fallback).await?.into_iter();
+        let mut held = Vec::with_capacity(lens.len());
+        let mut segments = Vec::with_capacity(lens.len());
+        for (len, buf) in leased {
             if len == 0 {
                 segments.push(Segment {
                     addr: 0,
@@ -665,7 +809,7 @@ impl Engine {
                     rkey: 0,
                 });
                 held.push(Held::Empty);
-            } else if let Some(buf) = self.conn.lease_buffer(len) {
+            } else if let Some(buf) = buf {
                 let (addr, rkey) = buf.remote();
                 segments.push(Segment {
                     addr,
@@ -674,6 +818,9 @@ impl Engine {
                 });
                 held.push(Held::Pool(buf));
             } else {
+                let budget = reserved
+                    .next()
+                    .ok_or_else(|| RdmaError::InvalidArgument("budget miscounted".into()))?;
                 self.pool.count_fallback();
                 let buf = self.conn.alloc_buffer(len)?;
                 let exposure = buf.expose(RemoteAccess::Write)?;
@@ -683,7 +830,11 @@ impl Engine {
                     len: t.len,
                     rkey: t.rkey,
                 });
-                held.push(Held::Own { exposure, buf });
+                held.push(Held::Own {
+                    exposure,
+                    buf,
+                    budget: Some(budget),
+                });
             }
         }
         Ok((held, segments))
@@ -831,22 +982,37 @@ async fn receive_loop(engine: Arc<Engine>, deliver: mpsc::UnboundedSender<io::Re
                     Err(v) => break Some(violation(v)),
                 }
             }
-            Packet::PushRts { id, head } => match engine.grant(&head.lens) {
-                Ok((bufs, segments)) => {
-                    let begun = lock(&engine.proto)
-                        .transfers
-                        .begin_incoming(id, Incoming::Granted { head, bufs });
-                    if let Err(v) = begun {
-                        break Some(violation(v));
+            Packet::PushRts { id, head } => {
+                // granting may wait for the fallback budget: beside this loop, like transfers
+                let op = Op::start(&engine);
+                let deliver = deliver.clone();
+                tokio::spawn(async move {
+                    let engine = &op.engine;
+                    match engine.grant(&head.lens).await {
+                        Ok((bufs, segments)) => {
+                            let begun = lock(&engine.proto)
+                                .transfers
+                                .begin_incoming(id, Incoming::Granted { head, bufs });
+                            match begun {
+                                Ok(()) => {
+                                    let _ = engine.ctl_tx.send(Ctl::Cts(id, segments));
+                                }
+                                Err(v) => {
+                                    let _ = deliver.send(Err(violation(v)));
+                                    engine.shutdown();
+                                }
+                            }
+                        }
+                        Err(e) => {
+                            tracing::warn!(
+                                "transport-rdma: no buffers for the peer's push {id}: {e}"
+                            );
+                            engine.release();
+                            let _ = engine.ctl_tx.send(Ctl::Refuse(id, refuse::NO_BUFFERS));
+                        }
                     }
-                    let _ = engine.ctl_tx.send(Ctl::Cts(id, segments));
-                }
-                Err(e) => {
-                    tracing::warn!("transport-rdma: no buffers for the peer's push {id}: {e}");
-                    engine.release();
-                    let _ = engine.ctl_tx.send(Ctl::Refuse(id, refuse::NO_BUFFERS));
-                }
-            },
+                });
+            }
             Packet::Cts { id, segments } => {
                 let sources = {
                     let mut p = lock(&engine.proto);
@@ -1023,6 +1189,7 @@ pub struct RdmaRpcListener {
     inner: RdmaListener,
     config: Config,
     push_up_to: u64,
+    max_fallback_bytes: u64,
 }
 
 impl std::fmt::Debug for RdmaRpcListener {
@@ -1045,6 +1212,7 @@ impl RdmaRpcListener {
             inner,
             config,
             push_up_to: opts.push_up_to,
+            max_fallback_bytes: opts.max_fallback_bytes,
         })
     }
 
@@ -1081,6 +1249,7 @@ impl rpc_core::Listener for RdmaRpcListener {
             config: self.config.clone(),
             peer: "incoming RDMA connection".into(),
             push_up_to: self.push_up_to,
+            max_fallback_bytes: self.max_fallback_bytes,
         })
     }
 }

@@ -761,3 +761,67 @@ async fn server_killed_at_every_stage() {
     .await
     .expect("test timed out");
 }
+
+/// A peer that sends more large attachments at once than a connection's fallback budget
+/// (`max_fallback_bytes`) allows: with pools too small to lend, every attachment needs a
+/// registered buffer; the transfers beyond the budget wait for earlier payloads to be dropped,
+/// so the registered bytes held at once never exceed the budget. Every call still succeeds with
+/// the right bytes, by pull and by push, and every byte and buffer comes back.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn fallback_budget_bounds_registered_memory() {
+    let (dev, addr) = target(20_141);
+    tokio::time::timeout(LIMIT, async move {
+        let mut config = Config::default();
+        config.max_message_size = 4 << 20;
+        let budget: u64 = 8 << 20;
+        for (i, (mode, push_up_to)) in [("pull", 0u64), ("push", u64::MAX)].into_iter().enumerate() {
+            let at = SocketAddr::new(addr.ip(), addr.port() + i as u16);
+            let server_opts = RdmaOptions {
+                pool_classes: vec![transport_rdma::SizeClass { size: 64 << 10, count: 2 }],
+                max_fallback_bytes: budget,
+                push_up_to,
+                ..RdmaOptions::default()
+            };
+            let srv = BlobServer::start(at, &config, server_opts.clone());
+            let transport = RdmaTransport::connect(at, config.clone(), server_opts).await.expect("connect");
+            let client = Client::new(transport, config.clone());
+            // eight 3 MiB attachments held 0.5 s each by the server's handlers: 24 MiB if
+            // nothing waited
+            let calls = (0..8u64).map(|i| {
+                let client = client.clone();
+                async move {
+                    let d = data(3 << 20, i);
+                    let (l, h): (u64, u64) = client
+                        .call::<Bincode, _, _>(HOLD, "Blob.hold", &(Payload::from_owner(d.clone()),))
+                        .await
+                        .expect("a call beyond the budget waits, then succeeds");
+                    assert_eq!((l, h), (d.len() as u64, fnv64(&d)), "[{mode}] attachment {i}");
+                }
+            });
+            let t0 = Instant::now();
+            futures::future::join_all(calls).await;
+            let took = t0.elapsed();
+            drop(client);
+            let s = settle("server pools after the budgeted calls", &srv.pools, |c| {
+                c.outstanding() == 0 && c.live_regions == 0 && c.fallback_bytes == 0
+            })
+            .await;
+            assert!(s.fallback_registrations >= 8, "[{mode}] the pool lent what it should not have: {s:?}");
+            assert!(
+                s.fallback_bytes_peak <= budget,
+                "[{mode}] {} bytes registered at once, over the budget of {budget}: {s:?}",
+                s.fallback_bytes_peak
+            );
+            assert!(s.fallback_bytes_peak >= 6 << 20, "[{mode}] the budget was not used: {s:?}");
+            println!(
+                "device {dev}: [{mode}] 8 x 3 MiB held by handlers, budget 8 MiB: at most {} MiB registered at once, {} fallback registrations, {:.0} ms",
+                s.fallback_bytes_peak >> 20,
+                s.fallback_registrations,
+                took.as_secs_f64() * 1e3
+            );
+            srv.stop().await;
+        }
+    })
+    .await
+    .expect("test timed out");
+}
