@@ -15,8 +15,12 @@
 //! Server and client share one process and one tokio multi-thread runtime of 2 workers
 //! ([`runtime`]); each system gets a fresh runtime.
 //!
-//! The `rdma` feature adds rdma-rpc over `rdma://` (endpoint from `RDMA_RPC_BENCH_RDMA`,
-//! default `rdma://127.0.0.1:0`): the hook for the guest with a device.
+//! The `rdma` feature adds rdma-rpc over `rdma://` to the criterion bench (endpoint from
+//! `RDMA_RPC_BENCH_RDMA`, default `rdma://127.0.0.1:0`): the hook for the guest with a device.
+//! `compare --rdma-ip IP --rdma-device DEV` runs rdma-rpc over `rdma://` and, with the
+//! `ruapc-rdma` feature (ruapc's RDMA transport, which links libibverbs at build time), ruapc
+//! over `tcp+rdma://` ([`ruapc_sys::RuapcNet`]) on that device: scripts/ruapc-rdma-compare.sh
+//! runs it in the QEMU guest on Soft-RoCE.
 #![allow(missing_docs, unreachable_pub)]
 
 use std::future::Future;
@@ -61,8 +65,14 @@ pub fn runtime() -> tokio::runtime::Runtime {
 
 /// The bytes payloads are cut from (a pattern, not zeros, so nothing compresses or skips).
 pub fn payload_source() -> Bytes {
+    payload_source_of(MAX_PAYLOAD)
+}
+
+/// The first `len` bytes of [`payload_source`] (a run that never moves more keeps its
+/// memory: in the 2 GiB guest every byte counts).
+pub fn payload_source_of(len: usize) -> Bytes {
     Bytes::from(
-        (0..MAX_PAYLOAD)
+        (0..len)
             .map(|i| (i as u8).wrapping_mul(31) ^ (i >> 12) as u8)
             .collect::<Vec<u8>>(),
     )

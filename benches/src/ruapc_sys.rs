@@ -2,6 +2,15 @@
 //! strings, request and reply types deriving `schemars::JsonSchema` as it requires, and a
 //! client timeout of 60 s instead of its 1 s default (large transfers on a loaded machine).
 //!
+//! With the `ruapc-rdma` feature it can also run over its RDMA transport ([`RuapcNet::rdma`]):
+//! the server listens on TCP as usual (its RDMA bootstrap RPCs travel there; ruapc does not use
+//! rdma_cm) with RDMA resources enabled (`SocketPoolConfig::rdma`), limited to one device
+//! (`rdma.path.device_filter`) on both sides, and clients reach it through a `tcp+rdma://`
+//! endpoint (`Endpoint::rdma(Transport::TCP, …)`): the first call exchanges QP numbers over
+//! TCP, then every call goes over the queue pair. Messages above `max_msg_size` (256 KiB) go
+//! as "large messages" pulled with RDMA READ (up to 64 MiB); the bulk variant's remote reads
+//! and writes become RDMA READ / WRITE.
+//!
 //! Two variants:
 //! - **inline** ([`Ruapc::start`] with `bulk = false`): the payload travels in the message,
 //!   like the other systems. ruapc caps a message at 64 MiB (`MAX_MSG_SIZE`, header
@@ -14,7 +23,7 @@
 //!   operation. Buffers come from ruapc's pool and are prepared once per size and reused,
 //!   as a real user of the API would do.
 
-use std::net::SocketAddr;
+use std::net::{IpAddr, Ipv4Addr, SocketAddr};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -158,25 +167,101 @@ impl RuaBench for BenchImpl {
     }
 }
 
-fn config() -> SocketPoolConfig {
-    SocketPoolConfig {
-        // Room for the bulk variant's buffers of every size (they are kept for reuse).
-        buffer_pool_memory: 1 << 30,
-        ..Default::default()
+/// Where and how a ruapc server listens and its clients connect.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RuapcNet {
+    /// Address the server listens on (TCP; with RDMA, the bootstrap listener).
+    pub ip: IpAddr,
+    /// `Some(device)`: RDMA on that device (`tcp+rdma://`; needs the `ruapc-rdma` feature);
+    /// `None`: TCP.
+    pub rdma_device: Option<String>,
+    /// RDMA only: `rdma.polling.poll_spin_us`, how long its poll thread spins after the last
+    /// completion before it sleeps on the completion channel (`None`: ruapc's 50 µs).
+    pub poll_spin_us: Option<u64>,
+}
+
+impl Default for RuapcNet {
+    /// TCP on loopback.
+    fn default() -> RuapcNet {
+        RuapcNet {
+            ip: IpAddr::V4(Ipv4Addr::LOCALHOST),
+            rdma_device: None,
+            poll_spin_us: None,
+        }
+    }
+}
+
+impl RuapcNet {
+    /// RDMA on `device`, bootstrapped over TCP at `ip` (an address of that device's netdev).
+    pub fn rdma(ip: IpAddr, device: &str, poll_spin_us: Option<u64>) -> RuapcNet {
+        RuapcNet {
+            ip,
+            rdma_device: Some(device.to_owned()),
+            poll_spin_us,
+        }
+    }
+
+    /// The socket pool configuration of servers and clients.
+    fn config(&self) -> Result<SocketPoolConfig, Error> {
+        let config = SocketPoolConfig {
+            // Room for the bulk variant's buffers of every size (they are kept for reuse).
+            buffer_pool_memory: 1 << 30,
+            ..Default::default()
+        };
+        #[cfg(feature = "ruapc-rdma")]
+        let config = {
+            let mut config = config;
+            // With ruapc's `rdma` feature the default enables RDMA discovery and memory
+            // registration on every device; the TCP variant keeps it off, as without the
+            // feature.
+            config.rdma = self.rdma_device.as_ref().map(|device| {
+                let mut rdma = ruapc::rdma::RdmaSocketPoolConfig::default();
+                rdma.path.device_filter = vec![device.clone()];
+                if let Some(us) = self.poll_spin_us {
+                    rdma.polling.poll_spin_us = us;
+                }
+                rdma
+            });
+            config
+        };
+        #[cfg(not(feature = "ruapc-rdma"))]
+        if let Some(device) = &self.rdma_device {
+            return Err(format!(
+                "RDMA on {device}: built without the `ruapc-rdma` feature \
+                 (cargo build -p rdma-rpc-benches --features ruapc-rdma)"
+            ));
+        }
+        Ok(config)
+    }
+
+    /// The endpoint clients use to reach a server listening on `addr`.
+    fn endpoint(&self, addr: SocketAddr) -> Result<Endpoint, Error> {
+        if self.rdma_device.is_some() {
+            Endpoint::rdma(ruapc::Transport::TCP, [addr]).map_err(err)
+        } else {
+            Endpoint::tcp([addr]).map_err(err)
+        }
     }
 }
 
 /// A running ruapc server.
 pub struct Ruapc {
     server: Arc<Server>,
-    addr: SocketAddr,
+    endpoint: Endpoint,
+    config: SocketPoolConfig,
     bulk: bool,
 }
 
 impl Ruapc {
-    /// Listens on loopback and serves [`RuaBench`] answering `get` from `src`; `bulk` picks
-    /// the remote-memory variant for `put`/`get`.
+    /// Listens on loopback (TCP) and serves [`RuaBench`] answering `get` from `src`; `bulk`
+    /// picks the remote-memory variant for `put`/`get`.
     pub async fn start(src: Bytes, bulk: bool) -> Result<Ruapc, Error> {
+        Ruapc::start_on(&RuapcNet::default(), src, bulk).await
+    }
+
+    /// [`Ruapc::start`] on `net`: TCP or RDMA, on the address it names.
+    pub async fn start_on(net: &RuapcNet, src: Bytes, bulk: bool) -> Result<Ruapc, Error> {
+        let config = net.config()?;
         let mut router = Router::default();
         Arc::new(BenchImpl {
             data: src,
@@ -184,17 +269,41 @@ impl Ruapc {
             get_bufs: Mutex::default(),
         })
         .ruapc_export(&mut router);
-        let server = Arc::new(Server::create(router, &config()).map_err(err)?);
+        let server = Arc::new(Server::create(router, &config).map_err(err)?);
+        #[cfg(feature = "ruapc-rdma")]
+        if let Some(device) = &net.rdma_device {
+            // Device discovery fails quietly (no device: TCP only); say so now rather than at
+            // the first call.
+            let found: Vec<String> = server
+                .state()
+                .devices
+                .devices()
+                .iter()
+                .map(|d| d.info().name.clone())
+                .collect();
+            if !found.iter().any(|n| n == device) {
+                server.stop();
+                return Err(format!(
+                    "RDMA device {device} not found or not usable by ruapc (found: {found:?})"
+                ));
+            }
+        }
         let addr = server
-            .listen("127.0.0.1:0".parse().expect("address"))
+            .listen(SocketAddr::new(net.ip, 0))
             .await
             .map_err(err)?;
-        Ok(Ruapc { server, addr, bulk })
+        Ok(Ruapc {
+            server,
+            endpoint: net.endpoint(addr)?,
+            config,
+            bulk,
+        })
     }
 }
 
 /// One ruapc connection: its own client state (`Context::create` makes a new socket pool, so
-/// each `RuapcConn` has its own TCP connection).
+/// each `RuapcConn` has its own TCP connection, or its own RDMA device context, queue pair and
+/// poll thread).
 #[derive(Clone)]
 pub struct RuapcConn {
     ctx: Context,
@@ -208,10 +317,11 @@ impl System for Ruapc {
     type Conn = RuapcConn;
 
     fn name(&self) -> String {
-        if self.bulk {
-            "ruapc-bulk".into()
+        let name = if self.bulk { "ruapc-bulk" } else { "ruapc" };
+        if self.endpoint.transport() == ruapc::Transport::RDMA {
+            format!("{name}/rdma")
         } else {
-            "ruapc".into()
+            name.to_owned()
         }
     }
 
@@ -228,9 +338,9 @@ impl System for Ruapc {
     }
 
     async fn connect(&self) -> Result<RuapcConn, Error> {
-        let ctx = Context::create(&config())
+        let ctx = Context::create(&self.config)
             .map_err(err)?
-            .with_endpoint(Endpoint::tcp([self.addr]).map_err(err)?);
+            .with_endpoint(self.endpoint.clone());
         let conn = RuapcConn {
             ctx,
             client: Arc::new(Client {
