@@ -9,8 +9,10 @@
 #   4. the fuzz targets (frame decoder, codec, rendezvous), each for a bounded time, after
 #      replaying every saved crash as a regression test;
 #   5. the RDMA tests on real software RDMA devices (rxe and siw) in a QEMU guest
-#      (scripts/rdma-test.sh; builds the guest image on first use). SKIP_RDMA=1 skips this
-#      stage and says so loudly; CI never sets it.
+#      (scripts/rdma-test.sh; builds the guest image on first use), a lossy link in the guest
+#      (scripts/lossy-link-test.sh), and rdma-rpc against ruapc over RDMA on rxe
+#      (scripts/ruapc-rdma-compare.sh: figures; fails only if the run fails). SKIP_RDMA=1 skips
+#      this stage and says so loudly; CI never sets it.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 T0=$(date +%s)
@@ -48,5 +50,7 @@ else
   bash scripts/rdma-test.sh --example storage-demo
   stage "a slow, lossy link in the guest (tc netem on veth: TCP, siw, rxe; scripts/lossy-link-test.sh)"
   bash scripts/lossy-link-test.sh
+  stage "rdma-rpc against ruapc, both over RDMA on rxe in the guest (figures; scripts/ruapc-rdma-compare.sh)"
+  bash scripts/ruapc-rdma-compare.sh
 fi
 stage "all passed"
