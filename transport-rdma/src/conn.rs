@@ -87,8 +87,11 @@ struct Shared {
     slot_size: usize,
     /// receive slots (local access only)
     slots: Arc<PoolRegion>,
-    /// rendezvous sources and sinks (remote read; remote write on iWARP, for READ sinks)
-    bufs: Arc<PoolRegion>,
+    /// rendezvous sources and sinks (remote read; remote write on iWARP, for READ sinks),
+    /// registered on the first rendezvous (see `RdmaConnection::rendezvous_pool`)
+    bufs: Mutex<Option<Arc<PoolRegion>>>,
+    /// its layout
+    pool_classes: Vec<SizeClass>,
     monitor: PoolMonitor,
 }
 
@@ -197,7 +200,6 @@ struct Prepared {
     cq: Arc<Cq>,
     recv_slots: Vec<u64>,
     slots: Arc<PoolRegion>,
-    bufs: Arc<PoolRegion>,
     monitor: PoolMonitor,
 }
 
@@ -223,11 +225,9 @@ fn prepare(id: &CmId, opts: &RdmaOptions, monitor: PoolMonitor) -> Result<Prepar
     id.modify_qp(&qp, CmQpState::Init, false)?;
     // receives are posted before connect/accept: on iWARP a SEND that finds no receive kills
     // the connection
-    // The pools: registered once, here, on this connection's own PD. Twice the receive slots,
-    // so that received payloads a handler still holds do not starve the receive queue.
-    let layout = |classes: &[SizeClass]| {
-        Pool::new(classes).map_err(|e| RdmaError::InvalidArgument(format!("{e}")))
-    };
+    // The receive slots: registered once, here, on this connection's own PD. Twice the receive
+    // slots, so that received payloads a handler still holds do not starve the receive queue.
+    // (The rendezvous pool is registered on the first rendezvous: idle connections stay cheap.)
     let slots = PoolRegion::new(
         &device,
         layout(&[SizeClass {
@@ -237,8 +237,8 @@ fn prepare(id: &CmId, opts: &RdmaOptions, monitor: PoolMonitor) -> Result<Prepar
         false,
     )?;
     monitor.track(&slots);
-    let bufs = PoolRegion::new(&device, layout(&opts.pool_classes)?, true)?;
-    monitor.track(&bufs);
+    // a bad layout is an error now, not at the first rendezvous
+    layout(&opts.pool_classes)?;
     let mut posted = Vec::with_capacity(recv_slots);
     for _ in 0..recv_slots {
         let buf = PoolRegion::lease(&slots, opts.slot_size)
@@ -250,9 +250,12 @@ fn prepare(id: &CmId, opts: &RdmaOptions, monitor: PoolMonitor) -> Result<Prepar
         cq,
         recv_slots: posted,
         slots,
-        bufs,
         monitor,
     })
+}
+
+fn layout(classes: &[SizeClass]) -> Result<Pool, RdmaError> {
+    Pool::new(classes).map_err(|e| RdmaError::InvalidArgument(format!("{e}")))
 }
 
 fn check_device(prepared: &Prepared, opts: &RdmaOptions) -> Result<(), RdmaError> {
@@ -315,7 +318,6 @@ impl RdmaConnection {
             cq,
             recv_slots,
             slots,
-            bufs,
             monitor,
         } = prepared;
         let device_name = qp.device().name().to_string();
@@ -334,7 +336,8 @@ impl RdmaConnection {
             one_sided_permits: Semaphore::new(ONE_SIDED),
             slot_size: opts.slot_size,
             slots,
-            bufs,
+            bufs: Mutex::new(None),
+            pool_classes: opts.pool_classes.clone(),
             monitor,
         });
         let afd = verbs::async_fd(cq)?;
@@ -421,15 +424,40 @@ impl RdmaConnection {
         self.shared.monitor.clone()
     }
 
+    /// The connection's rendezvous pool, registered on first use: once per connection, on the
+    /// first rendezvous, so that a connection that only ever sends small messages registers
+    /// only its receive slots. `None` if the registration failed (the caller falls back to a
+    /// buffer of its own, which reports the error if registering fails again).
+    fn rendezvous_pool(&self) -> Option<Arc<PoolRegion>> {
+        let mut bufs = lock(&self.shared.bufs);
+        if let Some(r) = &*bufs {
+            return Some(Arc::clone(r));
+        }
+        let region = layout(&self.shared.pool_classes)
+            .and_then(|pool| PoolRegion::new(self.shared.qp.device(), pool, true));
+        match region {
+            Ok(r) => {
+                self.shared.monitor.track(&r);
+                *bufs = Some(Arc::clone(&r));
+                Some(r)
+            }
+            Err(e) => {
+                tracing::warn!("transport-rdma: registering the rendezvous pool failed: {e}");
+                None
+            }
+        }
+    }
+
     /// Lends a rendezvous buffer of `len` bytes from the connection's registered pool.
     pub(crate) fn lease_buffer(&self, len: usize) -> Option<PoolBuf> {
-        PoolRegion::lease(&self.shared.bufs, len)
+        PoolRegion::lease(&self.rendezvous_pool()?, len)
     }
 
     /// If `bytes` are a view into this connection's rendezvous pool (a payload received on it),
     /// the address and key the peer can read them with.
     pub(crate) fn pool_address_of(&self, bytes: &[u8]) -> Option<(u64, u32)> {
-        let r = &self.shared.bufs;
+        let bufs = lock(&self.shared.bufs);
+        let r = bufs.as_ref()?;
         r.address_of(bytes).map(|a| (a, r.rkey()))
     }
 

@@ -12,8 +12,10 @@
 //!
 //! # Buffer pools
 //!
-//! Each connection registers two regions once, when it is set up, each carved into buffers by
-//! an [`rpc_core::pool::Pool`] (size classes, bounded total; nothing is registered per message):
+//! Each connection registers two regions once, each carved into buffers by an
+//! [`rpc_core::pool::Pool`] (size classes, bounded total; nothing is registered per message):
+//! the receive slots when it is set up, the rendezvous pool on its first rendezvous (so that a
+//! connection that only ever carries small messages costs its receive slots alone):
 //! - the *slot pool* (local access only: no key ever leaves the host): the posted receive slots,
 //!   twice as many buffers as [`RdmaOptions::recv_slots`]. A message is handed up as a view of
 //!   the slot it arrived in (an eager [`rpc_core::Payload`] is a slice of it, no copy) and a

@@ -556,7 +556,7 @@ async fn many_connections_memory() {
                 },
                 64usize,
             ),
-            ("default pools", RdmaOptions::default(), 16),
+            ("default pools", RdmaOptions::default(), 64),
         ] {
             let config = Config::default();
             let srv = BlobServer::start(addr, &config, opts.clone());
