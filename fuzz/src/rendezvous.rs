@@ -90,10 +90,12 @@ pub enum Op {
         threshold: u16,
         pull: bool,
     },
+    /// 15: the peer sends several eager messages in one packet.
+    PeerEagerBatch { credits: u16, msgs: Vec<MsgSpec> },
 }
 
 /// Number of opcodes.
-pub const OPS: u8 = 15;
+pub const OPS: u8 = 16;
 
 /// A transfer id: one seen so far (`Known(i)`: the `i % n`-th), or any.
 #[derive(Debug, Clone, Copy)]
@@ -247,12 +249,20 @@ pub fn read_op(r: &mut Reader) -> Op {
         11 => Op::ReadDone(read_id(r)),
         12 => Op::ReturnCredits,
         13 => Op::Disconnect,
-        _ => Op::Plan {
+        14 => Op::Plan {
             msg: MsgSpec::read(r),
             slot: r.u16(),
             threshold: r.u16(),
             pull: r.bool(),
         },
+        _ => {
+            let credits = read_credits(r);
+            let n = r.u8() % 5;
+            Op::PeerEagerBatch {
+                credits,
+                msgs: (0..n).map(|_| MsgSpec::read(r)).collect(),
+            }
+        }
     }
 }
 
@@ -342,6 +352,14 @@ pub fn write_op(w: &mut Writer, op: &Op) {
         }
         Op::Disconnect => {
             w.u8(13);
+        }
+        Op::PeerEagerBatch { credits, msgs } => {
+            w.u8(15);
+            write_credits(w, *credits);
+            w.u8(msgs.len() as u8);
+            for m in msgs {
+                m.write(w);
+            }
         }
         Op::Plan {
             msg,
@@ -575,6 +593,13 @@ impl End {
                 assert!(m.payload_len() <= self.limits.max_message_size);
                 Ok(())
             }
+            Packet::EagerBatch(ms) => {
+                assert!(!ms.is_empty());
+                for m in &ms {
+                    assert!(m.payload_len() <= self.limits.max_message_size);
+                }
+                Ok(())
+            }
             Packet::PullRts { id, head, segments } => {
                 assert_eq!(segments.len(), head.lens.len());
                 self.known.push(id);
@@ -745,6 +770,11 @@ fn peer_packet(end: &End, op: &Op) -> Option<(Bytes, Option<Packet>)> {
             let m = msg.message();
             Packet::encode_eager(&mut out, *credits, &m);
             fits(&m).then(|| Packet::Eager(m))
+        }
+        Op::PeerEagerBatch { credits, msgs } => {
+            let ms: Vec<Message> = msgs.iter().map(MsgSpec::message).collect();
+            Packet::encode_eager_batch(&mut out, *credits, &ms);
+            (!ms.is_empty() && ms.iter().all(fits)).then(|| Packet::EagerBatch(ms))
         }
         Op::PeerPullRts {
             credits,

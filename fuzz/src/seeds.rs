@@ -332,6 +332,19 @@ fn rendezvous_seeds() -> Vec<Seed> {
             ],
         ),
         (
+            "eager_batch",
+            vec![
+                Op::PeerEagerBatch {
+                    credits: 1,
+                    msgs: vec![m(&[]), m(&[3]), m(&[0, 2])],
+                },
+                Op::PeerEagerBatch {
+                    credits: 0,
+                    msgs: vec![],
+                },
+            ],
+        ),
+        (
             "refuse_and_disconnect",
             vec![
                 Op::SendPull(m(&[64])),

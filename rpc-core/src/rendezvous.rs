@@ -127,6 +127,9 @@ pub mod refuse {
 pub enum Packet {
     /// A whole message.
     Eager(Message),
+    /// Several whole messages in one slot (a sender with several small messages ready sends
+    /// them with one SEND). In order; at least one.
+    EagerBatch(Vec<Message>),
     /// Receiver-pull: read these segments, then send `Fin`.
     PullRts {
         /// Transfer id (the sender's).
@@ -207,6 +210,7 @@ const T_FIN: u8 = 5;
 const T_PUSH_DONE: u8 = 6;
 const T_CREDIT: u8 = 7;
 const T_REFUSE: u8 = 8;
+const T_EAGER_BATCH: u8 = 9;
 
 fn put_header(out: &mut BytesMut, ty: u8, credits: u16, n: u32, id: u64) {
     out.put_u8(ty);
@@ -235,6 +239,21 @@ impl Packet {
     pub fn encode_eager(out: &mut BytesMut, credits: u16, msg: &Message) {
         put_header(out, T_EAGER, credits, 0, 0);
         msg.encode_into(out);
+    }
+
+    /// Encodes an eager packet carrying all of `msgs`, one after the other (see
+    /// [`Packet::EagerBatch`]; [`Packet::batch_len`] says how much room they take).
+    pub fn encode_eager_batch(out: &mut BytesMut, credits: u16, msgs: &[Message]) {
+        put_header(out, T_EAGER_BATCH, credits, msgs.len() as u32, 0);
+        for m in msgs {
+            m.encode_into(out);
+        }
+    }
+
+    /// Bytes of an eager batch packet of messages whose frames total `frames` bytes (their
+    /// [`Message::wire_len`]s).
+    pub fn batch_len(frames: u64) -> u64 {
+        PACKET_HEADER_LEN as u64 + frames
     }
 
     /// Encodes a receiver-pull announcement of `msg` whose attachments are in `segments`.
@@ -296,6 +315,9 @@ impl Packet {
         let credits = slot.get_u16_le();
         let n = slot.get_u32_le();
         let id = slot.get_u64_le();
+        if ty == T_EAGER_BATCH {
+            return Ok((Packet::EagerBatch(parse_batch(slot, n, limits)?), credits));
+        }
         if n > limits.max_attachments as u32 {
             return Err(ProtocolViolation::Frame(FrameError::TooManyAttachments {
                 id,
@@ -348,6 +370,43 @@ impl Packet {
         };
         Ok((packet, credits))
     }
+}
+
+/// The `n` frames of an eager batch, which must fill `slot` exactly.
+fn parse_batch(
+    mut slot: Bytes,
+    n: u32,
+    limits: &Limits,
+) -> Result<Vec<Message>, ProtocolViolation> {
+    // every frame has at least its header: a count beyond that is a lie (checked before
+    // reserving room for it)
+    if n == 0 || n as usize > slot.len() / HEADER_LEN {
+        return Err(ProtocolViolation::Truncated {
+            what: "eager batch",
+            len: slot.len(),
+        });
+    }
+    let mut msgs = Vec::with_capacity(n as usize);
+    for _ in 0..n {
+        let wire = parse_wire(&slot, limits)?;
+        let frame_len = HEADER_LEN as u64 + wire.len;
+        if (slot.len() as u64) < frame_len {
+            return Err(ProtocolViolation::Truncated {
+                what: "frame of an eager batch",
+                len: slot.len(),
+            });
+        }
+        let mut frame = slot.split_to(frame_len as usize);
+        frame.advance(HEADER_LEN);
+        msgs.push(wire.split(frame)?);
+    }
+    if !slot.is_empty() {
+        return Err(ProtocolViolation::Truncated {
+            what: "eager batch (bytes after its last frame)",
+            len: slot.len(),
+        });
+    }
+    Ok(msgs)
 }
 
 fn need(b: &Bytes, n: usize, what: &'static str) -> Result<(), ProtocolViolation> {

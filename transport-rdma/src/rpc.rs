@@ -230,7 +230,7 @@ impl rpc_core::Transport for RdmaTransport {
                 tracing::error!(
                     "transport-rdma: split() of an accepted connection before establish()"
                 );
-                let (_, in_rx) = mpsc::unbounded_channel();
+                let (_, in_rx) = mpsc::unbounded_channel::<Delivery>();
                 let (msg_tx, _) = fmpsc::channel(1);
                 return (
                     RdmaReader {
@@ -274,7 +274,7 @@ impl rpc_core::Transport for RdmaTransport {
         // Unbounded, yet at most `slots` messages: a delivered message holds its slot's credit
         // until the reader takes it (see `receive_loop`).
         let (in_tx, in_rx) = mpsc::unbounded_channel();
-        tokio::spawn(receive_loop(Arc::clone(&engine), in_tx));
+        tokio::spawn(receive_loop(Arc::clone(&engine), Deliver(in_tx)));
         tokio::spawn(send_loop(Arc::clone(&engine), msg_rx, ctl_rx));
         let closer = Arc::new(CloseOnDrop(Arc::clone(&engine)));
         (
@@ -314,7 +314,7 @@ impl rpc_core::Transport for RdmaTransport {
 
 /// Receiving half of an [`RdmaTransport`].
 pub struct RdmaReader {
-    rx: mpsc::UnboundedReceiver<io::Result<Message>>,
+    rx: mpsc::UnboundedReceiver<Delivery>,
     engine: Option<Arc<Engine>>,
     _close: Option<Arc<CloseOnDrop>>,
 }
@@ -323,12 +323,49 @@ impl Stream for RdmaReader {
     type Item = io::Result<Message>;
 
     fn poll_next(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Self::Item>> {
-        let item = self.rx.poll_recv(cx);
-        if let (Poll::Ready(Some(Ok(_))), Some(engine)) = (&item, &self.engine) {
-            // taken: the message's slot credit goes back to the peer
+        let d = match self.rx.poll_recv(cx) {
+            Poll::Ready(Some(d)) => d,
+            Poll::Ready(None) => return Poll::Ready(None),
+            Poll::Pending => return Poll::Pending,
+        };
+        if let (true, Some(engine)) = (d.credit, &self.engine) {
+            // taken: the slot's credit goes back to the peer
             engine.release();
         }
-        item
+        Poll::Ready(Some(d.item))
+    }
+}
+
+/// What the receive loop hands the reader: a message (or why the connection ended), and
+/// whether taking it frees its receive slot's credit (a batch's slot is free once its last
+/// message is taken).
+struct Delivery {
+    item: io::Result<Message>,
+    credit: bool,
+}
+
+/// The receive loop's side of the reader's channel.
+#[derive(Clone)]
+struct Deliver(mpsc::UnboundedSender<Delivery>);
+
+impl Deliver {
+    /// Hands on a message whose slot credit goes back when the reader takes it; `Err` (the
+    /// reader is gone) means the caller must release it.
+    fn message(&self, msg: Message, credit: bool) -> Result<(), ()> {
+        self.0
+            .send(Delivery {
+                item: Ok(msg),
+                credit,
+            })
+            .map_err(drop)
+    }
+
+    /// Tells the reader why the connection ends.
+    fn error(&self, e: io::Error) {
+        let _ = self.0.send(Delivery {
+            item: Err(e),
+            credit: false,
+        });
     }
 }
 
@@ -373,6 +410,9 @@ impl Drop for CloseOnDrop {
         }
     }
 }
+
+/// The most messages one SEND carries (see `send_loop`).
+const MAX_BATCH: usize = 64;
 
 /// How long a closed transport waits for its last messages to go and the peer's last `Fin`s.
 const DRAIN_LIMIT: std::time::Duration = std::time::Duration::from_secs(10);
@@ -546,6 +586,20 @@ impl Engine {
             }
             notified.await;
         }
+    }
+
+    /// Whether `msg` goes whole in one packet (then it may share one with others).
+    fn is_eager(&self, msg: &Message) -> bool {
+        matches!(
+            Plan::for_message(msg, self.slot, self.eager_threshold, Direction::Pull),
+            Ok(Plan::Eager)
+        )
+    }
+
+    /// Sends eager messages together in one packet (they fit: see `send_loop`).
+    async fn send_batch(&self, msgs: &[Message]) -> Result<SendCompletion, RdmaError> {
+        self.send_packet(true, |out, c| Packet::encode_eager_batch(out, c, msgs))
+            .await
     }
 
     /// Sends `msg`: eager, or by rendezvous of its attachments (sender-push up to
@@ -880,9 +934,9 @@ impl Op {
     }
 
     /// The transfer failed: the connection ends, and the reader hears why.
-    fn fail(&self, deliver: &mpsc::UnboundedSender<io::Result<Message>>, e: RdmaError) {
+    fn fail(&self, deliver: &Deliver, e: RdmaError) {
         tracing::debug!("transport-rdma: rendezvous transfer failed, closing: {e}");
-        let _ = deliver.send(Err(to_io(e)));
+        deliver.error(to_io(e));
         self.engine.shutdown();
     }
 }
@@ -905,10 +959,10 @@ fn violation(v: rpc_core::rendezvous::ProtocolViolation) -> io::Error {
 /// reader may be waiting for that send loop (a server answering calls). Instead, a delivered
 /// message keeps its slot's credit until the reader takes it ([`Engine::release`]), so the
 /// peer can never get more than a window of messages ahead of the reader.
-async fn receive_loop(engine: Arc<Engine>, deliver: mpsc::UnboundedSender<io::Result<Message>>) {
+async fn receive_loop(engine: Arc<Engine>, deliver: Deliver) {
     // a message for the reader, or (the reader is gone) the credit straight back
     let hand_on = |msg: Message| {
-        if deliver.send(Ok(msg)).is_err() {
+        if deliver.message(msg, true).is_err() {
             engine.release();
         }
     };
@@ -934,7 +988,10 @@ async fn receive_loop(engine: Arc<Engine>, deliver: mpsc::UnboundedSender<io::Re
         // bounds the buffers granted to one peer by the window)
         let message = matches!(
             packet,
-            Packet::Eager(_) | Packet::PullRts { .. } | Packet::PushRts { .. }
+            Packet::Eager(_)
+                | Packet::EagerBatch(_)
+                | Packet::PullRts { .. }
+                | Packet::PushRts { .. }
         );
         if !message {
             engine.release();
@@ -943,6 +1000,15 @@ async fn receive_loop(engine: Arc<Engine>, deliver: mpsc::UnboundedSender<io::Re
         }
         match packet {
             Packet::Eager(msg) => hand_on(msg),
+            Packet::EagerBatch(msgs) => {
+                // the slot's credit rides on the batch's last message
+                let last = msgs.len() - 1;
+                for (i, msg) in msgs.into_iter().enumerate() {
+                    if deliver.message(msg, i == last).is_err() && i == last {
+                        engine.release();
+                    }
+                }
+            }
             Packet::PullRts { id, head, segments } => {
                 // the READs run beside this loop: a long transfer holds up no other packet
                 // (keep-alives, small calls, credits)
@@ -952,7 +1018,7 @@ async fn receive_loop(engine: Arc<Engine>, deliver: mpsc::UnboundedSender<io::Re
                     match op.engine.pull(&segments).await {
                         Ok(payloads) => {
                             let _ = op.engine.ctl_tx.send(Ctl::Fin(id));
-                            if deliver.send(Ok(head.into_message(payloads))).is_err() {
+                            if deliver.message(head.into_message(payloads), true).is_err() {
                                 op.engine.release();
                             }
                         }
@@ -998,7 +1064,7 @@ async fn receive_loop(engine: Arc<Engine>, deliver: mpsc::UnboundedSender<io::Re
                                     let _ = engine.ctl_tx.send(Ctl::Cts(id, segments));
                                 }
                                 Err(v) => {
-                                    let _ = deliver.send(Err(violation(v)));
+                                    deliver.error(violation(v));
                                     engine.shutdown();
                                 }
                             }
@@ -1059,7 +1125,7 @@ async fn receive_loop(engine: Arc<Engine>, deliver: mpsc::UnboundedSender<io::Re
     };
     if let Some(e) = end {
         tracing::debug!("transport-rdma: connection ends: {e}");
-        let _ = deliver.send(Err(e));
+        deliver.error(e);
     }
     engine.shutdown();
     // the connection is closed (QP in the error state): the device no longer reads our
@@ -1081,6 +1147,8 @@ async fn send_loop(
     // at most `send_slots`, so posting never waits for a slot that only this loop frees
     let mut pending = futures::stream::FuturesUnordered::new();
     let max_pending = engine.conn.send_slots().max(1);
+    // a message taken from the writer that did not fit the batch before it: sent next
+    let mut carry: Option<Message> = None;
     loop {
         while pending.len() >= max_pending {
             if let Some(Err(e)) = pending.next().await {
@@ -1089,10 +1157,16 @@ async fn send_loop(
                 return;
             }
         }
-        if drain_deadline.is_some() && !msgs_open && ctl.is_empty() && pending.is_empty() && {
-            let p = lock(&engine.proto);
-            p.transfers.is_empty() && p.ops == 0
-        } {
+        if drain_deadline.is_some()
+            && !msgs_open
+            && carry.is_none()
+            && ctl.is_empty()
+            && pending.is_empty()
+            && {
+                let p = lock(&engine.proto);
+                p.transfers.is_empty() && p.ops == 0
+            }
+        {
             engine.shutdown();
             return;
         }
@@ -1101,7 +1175,10 @@ async fn send_loop(
             Msg(Message),
         }
         let deadline = drain_deadline.unwrap_or_else(tokio::time::Instant::now);
-        let item = tokio::select! {
+        let item = if let Some(m) = carry.take() {
+            Item::Msg(m)
+        } else {
+            tokio::select! {
             biased;
             Some(done) = pending.next(), if !pending.is_empty() => {
                 if let Err(e) = done {
@@ -1127,6 +1204,7 @@ async fn send_loop(
                 engine.shutdown();
                 return;
             },
+            }
         };
         let res = match item {
             Item::Ctl(Ctl::Shutdown) => return,
@@ -1170,6 +1248,35 @@ async fn send_loop(
                         Packet::encode_control(out, c, &Packet::Refuse { id, reason })
                     })
                     .await
+            }
+            Item::Msg(m) if engine.is_eager(&m) => {
+                // Small messages the writer has ready go in one SEND: one work request, one
+                // receive slot and one completion on each side for all of them.
+                let mut batch: Vec<Message> = Vec::new();
+                let mut frames = m.wire_len();
+                let mut first = Some(m);
+                while batch.len() < MAX_BATCH {
+                    let next = match msgs.try_recv() {
+                        Ok(next) => next,
+                        Err(e) => {
+                            msgs_open &= !e.is_closed();
+                            break;
+                        }
+                    };
+                    let fits = Packet::batch_len(frames + next.wire_len()) <= engine.slot as u64;
+                    if !(fits && engine.is_eager(&next)) {
+                        carry = Some(next);
+                        break;
+                    }
+                    frames += next.wire_len();
+                    // the first companion found: only now is there a batch to allocate
+                    batch.extend(first.take());
+                    batch.push(next);
+                }
+                match first {
+                    Some(alone) => engine.send_message(alone).await,
+                    None => engine.send_batch(&batch).await,
+                }
             }
             Item::Msg(m) => engine.send_message(m).await,
         };

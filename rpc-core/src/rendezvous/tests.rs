@@ -43,6 +43,51 @@ fn eager_round_trip() {
 }
 
 #[test]
+fn eager_batch_round_trip() {
+    let ms = vec![
+        msg(1, b"one", &[]),
+        msg(2, b"", &[0, 5]),
+        msg(3, &[9; 100], &[7]),
+    ];
+    let mut b = BytesMut::new();
+    Packet::encode_eager_batch(&mut b, 3, &ms);
+    let frames: u64 = ms.iter().map(|m| m.wire_len()).sum();
+    assert_eq!(b.len() as u64, Packet::batch_len(frames));
+    assert_eq!(parse(b).unwrap(), (Packet::EagerBatch(ms), 3));
+}
+
+#[test]
+fn eager_batch_lies_are_violations() {
+    let ms = vec![msg(1, b"one", &[]), msg(2, b"two", &[4])];
+    let mut good = BytesMut::new();
+    Packet::encode_eager_batch(&mut good, 1, &ms);
+    // a count of more frames than there are, or of none
+    for n in [0u32, 3, u32::MAX] {
+        let mut b = good.clone();
+        b[4..8].copy_from_slice(&n.to_le_bytes());
+        assert!(parse(b).is_err(), "count {n} accepted");
+    }
+    // cut inside the last frame, or a byte after it
+    let mut cut = good.clone();
+    cut.truncate(good.len() - 1);
+    assert!(parse(cut).is_err(), "truncated batch accepted");
+    let mut extra = good.clone();
+    extra.extend_from_slice(&[0]);
+    assert!(parse(extra).is_err(), "trailing byte accepted");
+    // a frame claiming more than the limit
+    let mut big = BytesMut::new();
+    Packet::encode_eager_batch(&mut big, 1, &[msg(1, &[0; 64], &[])]);
+    let limits = Limits {
+        max_message_size: 10,
+        max_attachments: 16,
+    };
+    assert!(
+        Packet::parse(big.freeze(), &limits).is_err(),
+        "frame over the limit accepted"
+    );
+}
+
+#[test]
 fn pull_rts_round_trip_and_mismatches() {
     let m = msg(2, b"body", &[100, 200]);
     let segs = [
@@ -445,6 +490,7 @@ mod fake_nic {
         };
         match packet {
             Packet::Eager(m) => me.delivered.push(m),
+            Packet::EagerBatch(ms) => me.delivered.extend(ms),
             Packet::PullRts { id, head, segments } => {
                 let bufs: Vec<Buf> = head
                     .lens
