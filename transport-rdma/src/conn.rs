@@ -863,6 +863,11 @@ fn on_cm_event(shared: &Shared, ev: CmEvent) {
             if let Err(e) = shared.qp.set_error() {
                 tracing::debug!("transport-rdma: {e}");
             }
+            // ... and do not wait for those flushes: siw has been seen to report none for an
+            // RDMA READ in flight when the connection dropped, which left its waiter (and the
+            // connection it holds) waiting for ever. The requests' buffers stay with the QP
+            // until a completion retires them or the QP is destroyed.
+            fail_waiters(shared, "disconnected");
         }
         _ => tracing::debug!(
             "transport-rdma: rdma_cm event {:?} on an established connection",
@@ -947,22 +952,27 @@ fn fail_all(shared: &Shared, why: &str) {
     lock(&shared.state)
         .failed
         .get_or_insert_with(|| why.to_string());
+    fail_waiters(shared, why);
+    let _ = shared.recv_tx.send(RecvEvent::Failed {
+        err: RdmaError::Closed(Some(why.to_string())),
+        flushed: false,
+    });
+}
+
+/// Fails every task waiting for a completion. The buffers of those requests stay with the QP
+/// until a completion retires them (then back to the pool) or the QP is destroyed.
+fn fail_waiters(shared: &Shared, why: &str) {
     let waiters: Vec<_> = lock(&shared.state)
         .waiters
         .drain()
         .map(|(_, w)| w)
         .collect();
     for w in waiters {
-        // the buffers of those requests stay with the QP until it is destroyed
         let _ = w.send(Done {
             res: Err(RdmaError::Closed(Some(why.to_string()))),
             buf: None,
         });
     }
-    let _ = shared.recv_tx.send(RecvEvent::Failed {
-        err: RdmaError::Closed(Some(why.to_string())),
-        flushed: false,
-    });
 }
 
 /// Accepts RDMA connections (an rdma_cm id listening on an address).
