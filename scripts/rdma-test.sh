@@ -245,7 +245,8 @@ fi
 
 # a short soak on each device: mixed calls, every byte checked, the server killed or restarted
 # at random (examples/soak.rs; the long form over TCP is scripts/soak.sh). RSS tolerance: every
-# connection registers 16 MiB of pools per side when it is set up, and during a restart the old
+# connection registers 16 MiB of pools per side (1 MiB of receive slots when it is set up, the
+# rendezvous pool on its first large payload, which the soak sends at once), and during a restart the old
 # connections (draining or not yet noticed dead) and the new ones coexist, so RSS swings by up
 # to 2 clients x 2 sides x 17 MiB = 68 MiB; a leak of one connection's pools per restart would
 # add 16 x 68 MiB over the run, far past 96 MiB.
