@@ -264,8 +264,14 @@ impl Client {
             attachments: Vec::new(),
         };
         let greeting = async {
-            writer.send(hello).await?;
-            reader.next().await.transpose()
+            // A server that refuses the connection may answer and close before the greeting
+            // is out: then its answer, if it arrived, says more than the failed send.
+            let sent = writer.send(hello).await;
+            match (reader.next().await.transpose(), sent) {
+                (Ok(Some(answer)), _) => Ok(Some(answer)),
+                (_, Err(e)) => Err(e),
+                (answer, Ok(())) => answer,
+            }
         };
         let answer = tokio::time::timeout(config.connect_timeout, greeting)
             .await

@@ -629,7 +629,7 @@ async fn refuse_connection<T: Transport>(transport: T, ctx: Ctx) {
     let Ok(Ok(transport)) = tokio::time::timeout(limit, transport.establish()).await else {
         return;
     };
-    let (_reader, mut writer) = transport.split();
+    let (mut reader, mut writer) = transport.split();
     let refusal = error_message(
         0,
         ServerErrorKind::Overloaded,
@@ -637,6 +637,10 @@ async fn refuse_connection<T: Transport>(transport: T, ctx: Ctx) {
     );
     let _ = tokio::time::timeout(limit, async {
         writer.send(refusal).await?;
+        // Close only once the client's greeting (or its end) is in: closing earlier makes
+        // TCP reset the connection over the unread greeting, which can destroy the refusal
+        // on its way, and makes an RDMA client's greeting fail before it reads the refusal.
+        let _ = reader.next().await;
         writer.close().await
     })
     .await;
