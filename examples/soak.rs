@@ -41,8 +41,9 @@
 //!
 //! Over RDMA (`--endpoint rdma://…`) the same run applies, and after every server life (killed
 //! or stopped) the server's registered pools must have every buffer back and every region freed
-//! ([`Server::rdma_pools`](rdma_rpc::Server::rdma_pools)); the run fails otherwise. The clients'
-//! side of that check is in the RDMA tests (`server_killed_at_every_stage`).
+//! ([`Server::rdma_pools`](rdma_rpc::Server::rdma_pools)); so must each client's, over every
+//! connection it made, once the servers are gone and the clients dropped
+//! ([`Client::rdma_pools`](rdma_rpc::Client::rdma_pools)); the run fails otherwise.
 
 mod common;
 
@@ -273,24 +274,41 @@ struct Restarts {
     pool_leaks: Mutex<Vec<String>>,
 }
 
+/// What is left of a side's RDMA pools once its connections are gone: `None` if every buffer
+/// is back and every region freed (waits a little for a straggling drop); TCP has no pools.
+/// Blocks: call it off the runtime.
+#[cfg(feature = "rdma")]
+fn pools_left(pools: Pools) -> Option<String> {
+    let pools = pools?;
+    let give_up = Instant::now() + Duration::from_secs(5);
+    let mut c = pools.counts();
+    while (c.outstanding() != 0 || c.live_regions != 0) && Instant::now() < give_up {
+        thread::sleep(Duration::from_millis(10));
+        c = pools.counts();
+    }
+    (c.outstanding() != 0 || c.live_regions != 0).then(|| format!("{c:?}"))
+}
+
+#[cfg(not(feature = "rdma"))]
+fn pools_left(_: Pools) -> Option<String> {
+    None
+}
+
 impl Restarts {
     /// After a server life ended (its runtime dropped): every buffer of its RDMA pools is back
-    /// and every region freed (waits a little for a straggling drop); TCP has no pools.
+    /// and every region freed (see `pools_left`).
     #[cfg(feature = "rdma")]
     fn check_pools(&self, index: usize, pools: Pools) {
-        let Some(pools) = pools else { return };
-        let give_up = Instant::now() + Duration::from_secs(5);
-        let mut c = pools.counts();
-        while (c.outstanding() != 0 || c.live_regions != 0) && Instant::now() < give_up {
-            thread::sleep(Duration::from_millis(10));
-            c = pools.counts();
+        if pools.is_none() {
+            return;
         }
+        let left = pools_left(pools);
         self.pools_checked.fetch_add(1, Ordering::Relaxed);
-        if c.outstanding() != 0 || c.live_regions != 0 {
+        if let Some(left) = left {
             self.pool_leaks
                 .lock()
                 .unwrap()
-                .push(format!("server {index}: {c:?}"));
+                .push(format!("server {index}: {left}"));
         }
     }
 
@@ -384,6 +402,17 @@ fn pools_of(server: &Server) -> Pools {
 
 #[cfg(not(feature = "rdma"))]
 fn pools_of(_: &Server) -> Pools {
+    None
+}
+
+/// A client's RDMA pool counters, over all its connections (none over TCP).
+#[cfg(feature = "rdma")]
+fn client_pools_of(client: &Client) -> Pools {
+    client.rdma_pools()
+}
+
+#[cfg(not(feature = "rdma"))]
+fn client_pools_of(_: &Client) -> Pools {
     None
 }
 
@@ -657,6 +686,22 @@ async fn run(o: &Opts) -> Result<(), String> {
             Err(_) => problems.push(format!("server thread {i} panicked")),
         }
     }
+    // The clients' side: with the servers gone and the clients dropped, every buffer of every
+    // connection a client made (reconnections included) is back and every region freed.
+    let client_pools: Vec<Pools> = clients
+        .iter()
+        .map(|c| client_pools_of(c.client()))
+        .collect();
+    drop(clients);
+    let mut client_leaks = Vec::new();
+    let mut clients_checked = 0;
+    for (i, pools) in client_pools.into_iter().enumerate() {
+        let left = tokio::task::spawn_blocking(move || pools_left(pools)).await;
+        if let Some(leak) = left.map_err(|e| format!("pool check: {e}"))? {
+            client_leaks.push(format!("client {i}: {leak}"));
+        }
+        clients_checked += 1;
+    }
 
     // Memory: highest RSS over [1/4, 1/3] of the run against the highest over its last twelfth.
     let secs = total.as_secs_f64();
@@ -702,6 +747,11 @@ async fn run(o: &Opts) -> Result<(), String> {
              buffer or region not returned",
             restarts.pool_leaks.lock().unwrap().len()
         );
+        println!(
+            "soak: RDMA pools of {clients_checked} clients checked once they were dropped: {} with \
+             a buffer or region not returned",
+            client_leaks.len()
+        );
     }
     println!(
         "soak: RSS max over [1/4, 1/3] of the run {third} KiB, over the last twelfth {end} KiB \
@@ -740,6 +790,12 @@ async fn run(o: &Opts) -> Result<(), String> {
             leaks.len(),
             restarts.pools_checked.load(Ordering::Relaxed),
             leaks.join(", ")
+        ));
+    }
+    if !client_leaks.is_empty() {
+        problems.push(format!(
+            "buffers or regions of the clients' RDMA pools not returned: {}",
+            client_leaks.join(", ")
         ));
     }
     if restarts.killed.load(Ordering::Relaxed) == 0 {

@@ -70,7 +70,7 @@ pub use rpc_core::{
     Scheme, Secret, ServerError, ServerErrorKind, ShutdownHandle,
 };
 pub use rpc_macros::rdma_service;
-/// Counters of registered RDMA buffer pools ([`Server::rdma_pools`]).
+/// Counters of registered RDMA buffer pools ([`Server::rdma_pools`], [`Client::rdma_pools`]).
 #[cfg(feature = "rdma")]
 pub use transport_rdma::{PoolCounts, PoolMonitor};
 
@@ -131,6 +131,8 @@ struct Conn {
     endpoint: Option<Endpoint>,
     config: Config,
     current: std::sync::Mutex<rpc_core::Client>,
+    /// Counts the registered buffer pools of every RDMA connection this client makes.
+    pools: rdma::Pools,
     /// Held while connecting, so that concurrent calls make one attempt, not many.
     reconnecting: tokio::sync::Mutex<Backoff>,
 }
@@ -189,7 +191,7 @@ impl Conn {
         }
         let give_up = tokio::time::Instant::now() + self.config.connect_timeout;
         loop {
-            match connect_once(endpoint, &self.config).await {
+            match connect_once(endpoint, &self.config, &self.pools).await {
                 Ok(c) => {
                     tracing::info!(%endpoint, "reconnected");
                     *self.current.lock().expect("connection lock") = c.clone();
@@ -212,7 +214,11 @@ impl Conn {
 }
 
 /// One connection attempt, with the greeting, bounded by `connect_timeout`.
-async fn connect_once(endpoint: &Endpoint, config: &Config) -> Result<rpc_core::Client, RpcError> {
+async fn connect_once(
+    endpoint: &Endpoint,
+    config: &Config,
+    pools: &rdma::Pools,
+) -> Result<rpc_core::Client, RpcError> {
     let timeout = config.connect_timeout;
     let connecting = async {
         match endpoint.scheme() {
@@ -223,7 +229,7 @@ async fn connect_once(endpoint: &Endpoint, config: &Config) -> Result<rpc_core::
                     .map_err(|e| connect_error(endpoint, e))?;
                 rpc_core::Client::handshake(t, config.clone()).await
             }
-            Scheme::Rdma => rdma::connect(endpoint, config.clone()).await,
+            Scheme::Rdma => rdma::connect(endpoint, config.clone(), pools).await,
             _ => Err(RpcError::Unavailable(format!(
                 "{endpoint}: transport not built in"
             ))),
@@ -248,18 +254,29 @@ impl Client {
         let config = config
             .with_endpoint_options(endpoint)
             .map_err(invalid_config)?;
-        let first = connect_once(endpoint, &config).await?;
-        Ok(Client::with_conn(Some(endpoint.clone()), config, first))
+        let pools = rdma::Pools::default();
+        let first = connect_once(endpoint, &config, &pools).await?;
+        Ok(Client::with_conn(
+            Some(endpoint.clone()),
+            config,
+            first,
+            pools,
+        ))
     }
 
     /// Starts the protocol over a connection you made yourself (any [`core::Transport`]). Such
     /// a client cannot reconnect.
     pub fn from_transport<T: rpc_core::Transport>(transport: T, config: Config) -> Client {
         let first = rpc_core::Client::new(transport, config.clone());
-        Client::with_conn(None, config, first)
+        Client::with_conn(None, config, first, rdma::Pools::default())
     }
 
-    fn with_conn(endpoint: Option<Endpoint>, config: Config, first: rpc_core::Client) -> Client {
+    fn with_conn(
+        endpoint: Option<Endpoint>,
+        config: Config,
+        first: rpc_core::Client,
+        pools: rdma::Pools,
+    ) -> Client {
         Client {
             conn: Arc::new(Conn {
                 endpoint,
@@ -268,6 +285,7 @@ impl Client {
                 }),
                 config,
                 current: std::sync::Mutex::new(first),
+                pools,
             }),
             timeout: None,
         }
@@ -314,6 +332,16 @@ impl Client {
     /// The configuration in force.
     pub fn config(&self) -> &Config {
         &self.conn.config
+    }
+
+    /// The counters of the registered buffer pools of every RDMA connection this client made,
+    /// reconnections included (`None` for a client over TCP or over a transport it was handed).
+    /// It stays readable after the client is dropped, so that once its connections are gone
+    /// one can check that every buffer came back and every region was freed:
+    /// `outstanding() == 0 && live_regions == 0`.
+    #[cfg(feature = "rdma")]
+    pub fn rdma_pools(&self) -> Option<PoolMonitor> {
+        self.conn.pools.monitor()
     }
 
     /// Calls a method by id; what generated clients do. See [`rpc_core::Client::call`].
@@ -484,14 +512,32 @@ mod rdma {
         }
     }
 
+    /// A client's pool counters: created with its first RDMA connection.
+    #[cfg(feature = "rdma")]
+    #[derive(Default)]
+    pub(crate) struct Pools(std::sync::OnceLock<transport_rdma::PoolMonitor>);
+
+    #[cfg(feature = "rdma")]
+    impl Pools {
+        pub(crate) fn monitor(&self) -> Option<transport_rdma::PoolMonitor> {
+            self.0.get().cloned()
+        }
+    }
+
     #[cfg(feature = "rdma")]
     pub(crate) async fn connect(
         endpoint: &Endpoint,
         config: Config,
+        pools: &Pools,
     ) -> Result<rpc_core::Client, RpcError> {
-        let t = transport_rdma::RdmaTransport::connect_endpoint(endpoint, config.clone())
-            .await
-            .map_err(|e| rdma_error(endpoint, e))?;
+        let monitor = pools.0.get_or_init(Default::default).clone();
+        let t = transport_rdma::RdmaTransport::connect_endpoint_tracked(
+            endpoint,
+            config.clone(),
+            monitor,
+        )
+        .await
+        .map_err(|e| rdma_error(endpoint, e))?;
         rpc_core::Client::handshake(t, config).await
     }
 
@@ -510,10 +556,16 @@ mod rdma {
     #[cfg(not(feature = "rdma"))]
     const WHY: &str = "this build has no RDMA transport (built without the `rdma` feature)";
 
+    /// A build without RDMA counts no pools.
+    #[cfg(not(feature = "rdma"))]
+    #[derive(Default)]
+    pub(crate) struct Pools;
+
     #[cfg(not(feature = "rdma"))]
     pub(crate) async fn connect(
         endpoint: &Endpoint,
         _config: Config,
+        _pools: &Pools,
     ) -> Result<rpc_core::Client, RpcError> {
         Err(RpcError::Unavailable(format!("{endpoint}: {WHY}")))
     }

@@ -29,3 +29,67 @@ mod push {
 
     transport_suite!(ep_push);
 }
+
+/// The facade's pool counters on the client side ([`rdma_rpc::Client::rdma_pools`]): they
+/// follow the client across a reconnection, and once the client is dropped and its server gone,
+/// every buffer of both connections is back and every region freed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn client_pools_through_the_facade() {
+    use rdma_rpc::{Config, Payload};
+    suite::log_from_env();
+    let data: Vec<u8> = (0..1u32 << 20).map(|i| (i % 251) as u8).collect();
+    let first = suite::Doomed::start(&ep(), Config::default());
+    let endpoint = first.endpoint.clone();
+    let client = suite::connect(&endpoint).await;
+    let pools = client
+        .client()
+        .rdma_pools()
+        .expect("a client over RDMA counts its pools");
+    let back = client.echo(Payload::from(data.clone())).await.unwrap();
+    assert!(back == data, "1 MiB echo by rendezvous");
+    let one = pools.counts();
+    assert!(
+        one.leased > 0 && one.live_regions >= 2,
+        "receive slots and the rendezvous pool registered: {one:?}"
+    );
+
+    drop(back);
+    first.kill();
+    tokio::time::timeout(suite::EVENTUALLY, client.client().closed())
+        .await
+        .expect("the client sees its server die");
+    // the dead connection gives everything back while the client lives on
+    returned(&pools, "after the first server died").await;
+    let second = suite::Doomed::start(&endpoint, Config::default());
+    let back = client.echo(Payload::from(data.clone())).await.unwrap();
+    assert!(back == data, "1 MiB echo after reconnecting");
+    let two = pools.counts();
+    assert!(
+        two.leased > one.leased && two.live_regions >= 2,
+        "the new connection's pools are counted by the same monitor: {one:?} then {two:?}"
+    );
+
+    drop(back);
+    drop(client);
+    second.kill();
+    let end = returned(&pools, "after the client was dropped").await;
+    eprintln!(
+        "device {}: client pools over two connections, after the client was dropped: {end:?}",
+        std::env::var("RDMA_RPC_TEST_DEVICE").unwrap_or_default()
+    );
+}
+
+/// Waits until every buffer counted by `pools` is back and every region freed.
+async fn returned(pools: &rdma_rpc::PoolMonitor, when: &str) -> rdma_rpc::PoolCounts {
+    tokio::time::timeout(suite::EVENTUALLY, async {
+        loop {
+            let c = pools.counts();
+            if c.outstanding() == 0 && c.live_regions == 0 {
+                return c;
+            }
+            tokio::task::yield_now().await;
+        }
+    })
+    .await
+    .unwrap_or_else(|_| panic!("client pools not returned {when}: {:?}", pools.counts()))
+}

@@ -271,6 +271,17 @@ fn check_device(prepared: &Prepared, opts: &RdmaOptions) -> Result<(), RdmaError
 impl RdmaConnection {
     /// Connects to an RDMA listener at `addr` (an IP address of the peer's RDMA device).
     pub async fn connect(addr: SocketAddr, opts: RdmaOptions) -> Result<RdmaConnection, RdmaError> {
+        RdmaConnection::connect_tracked(addr, opts, PoolMonitor::default()).await
+    }
+
+    /// As [`RdmaConnection::connect`], with the connection's registered pools counted by
+    /// `monitor` (which may already watch other connections: a client's successive
+    /// connections, say).
+    pub async fn connect_tracked(
+        addr: SocketAddr,
+        opts: RdmaOptions,
+        monitor: PoolMonitor,
+    ) -> Result<RdmaConnection, RdmaError> {
         // "no RDMA here" must be an error before anything else
         crate::devices()?;
         let deadline = Instant::now() + opts.connect_timeout;
@@ -288,7 +299,7 @@ impl RdmaConnection {
         if ev.kind != CmEventKind::RouteResolved {
             return Err(unexpected(&ev, "route resolution"));
         }
-        let prepared = prepare(&id, &opts, PoolMonitor::default())?;
+        let prepared = prepare(&id, &opts, monitor)?;
         id.connect(&prepared.qp)?;
         let ev = next_cm_event(&mut rx, deadline, "the connection to be accepted").await?;
         match ev.kind {

@@ -170,7 +170,19 @@ impl RdmaTransport {
         config: Config,
         opts: RdmaOptions,
     ) -> Result<RdmaTransport, RdmaError> {
-        let conn = RdmaConnection::connect(addr, effective(&opts, &config)).await?;
+        RdmaTransport::connect_tracked(addr, config, opts, PoolMonitor::default()).await
+    }
+
+    /// As [`RdmaTransport::connect`], with the connection's registered pools counted by
+    /// `monitor` (see [`RdmaConnection::connect_tracked`]).
+    pub async fn connect_tracked(
+        addr: SocketAddr,
+        config: Config,
+        opts: RdmaOptions,
+        monitor: PoolMonitor,
+    ) -> Result<RdmaTransport, RdmaError> {
+        let conn =
+            RdmaConnection::connect_tracked(addr, effective(&opts, &config), monitor).await?;
         let mut t = RdmaTransport::new(conn, config, addr.to_string());
         t.push_up_to = opts.push_up_to;
         t.max_fallback_bytes = opts.max_fallback_bytes;
@@ -182,9 +194,19 @@ impl RdmaTransport {
         ep: &rpc_core::Endpoint,
         config: Config,
     ) -> Result<RdmaTransport, RdmaError> {
+        RdmaTransport::connect_endpoint_tracked(ep, config, PoolMonitor::default()).await
+    }
+
+    /// As [`RdmaTransport::connect_endpoint`], with the connection's registered pools counted
+    /// by `monitor` (see [`RdmaConnection::connect_tracked`]).
+    pub async fn connect_endpoint_tracked(
+        ep: &rpc_core::Endpoint,
+        config: Config,
+        monitor: PoolMonitor,
+    ) -> Result<RdmaTransport, RdmaError> {
         let opts = RdmaOptions::from_endpoint(ep)?;
         let addr = resolve(ep).await?;
-        RdmaTransport::connect(addr, config, opts).await
+        RdmaTransport::connect_tracked(addr, config, opts, monitor).await
     }
 
     /// Wraps an established connection.
