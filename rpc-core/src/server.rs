@@ -618,7 +618,7 @@ where
 
 /// Serves one connection until the peer goes away or the server has drained.
 /// Answers a connection over `max_connections` with an `Overloaded` error before its greeting
-/// is read, and closes it.
+/// is read, and closes it once the greeting (or the end of the stream) is in.
 async fn refuse_connection<T: Transport>(transport: T, ctx: Ctx) {
     let limit = ctx.config.connect_timeout;
     let max = ctx.config.max_connections;
