@@ -259,7 +259,7 @@ if [ -x perf/soak ]; then
     tail -n 8 "$log"
     if [ $rc = 0 ]; then PASSED=$((PASSED+1)); note "PASS: soak on device $d, $(el $t)"
     else FAILED=$((FAILED+1)); note "FAIL (exit $rc): soak on device $d, $(el $t)"; fi
-    grep -E '^soak: [0-9]+ calls right|restarted|RDMA pools checked' "$log" | sed 's/^/    /' >> "$SUM"
+    grep -E '^soak: [0-9]+ calls right|restarted|RDMA pools' "$log" | sed 's/^/    /' >> "$SUM"
   done
 fi
 
