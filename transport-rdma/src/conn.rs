@@ -14,8 +14,8 @@ use crate::cm::CmDispatcher;
 use crate::error::RdmaError;
 use crate::pool::PoolMonitor;
 use crate::verbs::{
-    self, CmEvent, CmEventKind, CmId, CmQpState, Cq, Mem, PoolBuf, PoolRegion, Qp, QpCaps, Region,
-    RemoteAddr, Transport, Wc, WrKind,
+    self, CmEvent, CmEventKind, CmId, CmQpState, Cq, Mem, PoolAccess, PoolBuf, PoolRegion, Qp,
+    QpCaps, Region, RemoteAddr, Transport, Wc, WrKind,
 };
 use crate::{RdmaOptions, TransportKind};
 use rpc_core::pool::{Pool, SizeClass};
@@ -87,12 +87,29 @@ struct Shared {
     slot_size: usize,
     /// receive slots (local access only)
     slots: Arc<PoolRegion>,
-    /// rendezvous sources and sinks (remote read; remote write on iWARP, for READ sinks),
-    /// registered on the first rendezvous (see `RdmaConnection::rendezvous_pool`)
-    bufs: Mutex<Option<Arc<PoolRegion>>>,
-    /// its layout
+    /// the read-exposed rendezvous region (`REMOTE_READ` only): our pull and push sources and
+    /// the sinks of our READs; registered on its first use (see `RdmaConnection::rendezvous_pool`
+    /// and `PoolRegion` for what each region exposes)
+    read_bufs: Mutex<Option<Arc<PoolRegion>>>,
+    /// the write-exposed rendezvous region (`REMOTE_WRITE` only): buffers granted to the
+    /// peer's pushes; registered on its first use
+    write_bufs: Mutex<Option<Arc<PoolRegion>>>,
+    /// the layout of each rendezvous region
     pool_classes: Vec<SizeClass>,
     monitor: PoolMonitor,
+}
+
+/// What a rendezvous buffer is for, which decides the region it comes from (see
+/// `PoolRegion`): the peer gets read access to sources and READ sinks, write access only to
+/// push grants.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum PoolUse {
+    /// an outbound pull source (the peer READs it) or push source (we WRITE from it)
+    Source,
+    /// the sink of our RDMA READ of the peer's pull source
+    PullSink,
+    /// a buffer granted to the peer's push (the peer WRITEs into it)
+    PushGrant,
 }
 
 #[derive(Default)]
@@ -234,7 +251,7 @@ fn prepare(id: &CmId, opts: &RdmaOptions, monitor: PoolMonitor) -> Result<Prepar
             size: opts.slot_size.max(64),
             count: recv_slots * 2,
         }])?,
-        false,
+        PoolAccess::Local,
     )?;
     monitor.track(&slots);
     // a bad layout is an error now, not at the first rendezvous
@@ -347,7 +364,8 @@ impl RdmaConnection {
             one_sided_permits: Semaphore::new(ONE_SIDED),
             slot_size: opts.slot_size,
             slots,
-            bufs: Mutex::new(None),
+            read_bufs: Mutex::new(None),
+            write_bufs: Mutex::new(None),
             pool_classes: opts.pool_classes.clone(),
             monitor,
         });
@@ -435,17 +453,22 @@ impl RdmaConnection {
         self.shared.monitor.clone()
     }
 
-    /// The connection's rendezvous pool, registered on first use: once per connection, on the
-    /// first rendezvous, so that a connection that only ever sends small messages registers
-    /// only its receive slots. `None` if the registration failed (the caller falls back to a
-    /// buffer of its own, which reports the error if registering fails again).
-    fn rendezvous_pool(&self) -> Option<Arc<PoolRegion>> {
-        let mut bufs = lock(&self.shared.bufs);
+    /// The connection's rendezvous region for `use_`, registered on first use: once per
+    /// connection and region, so that a connection that only ever sends small messages
+    /// registers only its receive slots, and one that never grants a push never registers a
+    /// remotely writable region. `None` if the registration failed (the caller falls back to
+    /// a buffer of its own, which reports the error if registering fails again).
+    fn rendezvous_pool(&self, use_: PoolUse) -> Option<Arc<PoolRegion>> {
+        let (slot, access) = match use_ {
+            PoolUse::Source | PoolUse::PullSink => (&self.shared.read_bufs, PoolAccess::RemoteRead),
+            PoolUse::PushGrant => (&self.shared.write_bufs, PoolAccess::RemoteWrite),
+        };
+        let mut bufs = lock(slot);
         if let Some(r) = &*bufs {
             return Some(Arc::clone(r));
         }
         let region = layout(&self.shared.pool_classes)
-            .and_then(|pool| PoolRegion::new(self.shared.qp.device(), pool, true));
+            .and_then(|pool| PoolRegion::new(self.shared.qp.device(), pool, access));
         match region {
             Ok(r) => {
                 self.shared.monitor.track(&r);
@@ -453,21 +476,26 @@ impl RdmaConnection {
                 Some(r)
             }
             Err(e) => {
-                tracing::warn!("transport-rdma: registering the rendezvous pool failed: {e}");
+                tracing::warn!(
+                    "transport-rdma: registering the rendezvous pool ({access:?}) failed: {e}"
+                );
                 None
             }
         }
     }
 
-    /// Lends a rendezvous buffer of `len` bytes from the connection's registered pool.
-    pub(crate) fn lease_buffer(&self, len: usize) -> Option<PoolBuf> {
-        PoolRegion::lease(&self.rendezvous_pool()?, len)
+    /// Lends a rendezvous buffer of `len` bytes for `use_` from the connection's registered
+    /// region for it (see [`PoolUse`]).
+    pub(crate) fn lease_buffer(&self, len: usize, use_: PoolUse) -> Option<PoolBuf> {
+        PoolRegion::lease(&self.rendezvous_pool(use_)?, len)
     }
 
-    /// If `bytes` are a view into this connection's rendezvous pool (a payload received on it),
-    /// the address and key the peer can read them with.
+    /// If `bytes` are a view into this connection's read-exposed rendezvous region (a payload
+    /// received on it by pull), the address and key the peer can read them with; that key
+    /// lets the peer read, never write. (A payload pushed to us lies in the write-exposed
+    /// region, which is never exposed for reading: it is copied.)
     pub(crate) fn pool_address_of(&self, bytes: &[u8]) -> Option<(u64, u32)> {
-        let bufs = lock(&self.shared.bufs);
+        let bufs = lock(&self.shared.read_bufs);
         let r = bufs.as_ref()?;
         r.address_of(bytes).map(|a| (a, r.rkey()))
     }

@@ -48,17 +48,26 @@
 //! needs memory windows, which siw does not have; re-registering per transfer is what the pools
 //! exist to avoid. So the pools are per connection, on the connection's own protection domain
 //! (one PD per connection): a key is only ever sent to that connection's peer and is only
-//! valid on that connection's QP. The rendezvous region's MR allows `REMOTE_READ` (for pulls)
-//! and `REMOTE_WRITE` (for pushes; iWARP needs it anyway for the sink of an RDMA READ, which
-//! is addressed by its STag). What is wider than "one buffer, one transfer": the key covers the
-//! connection's whole rendezvous region for the connection's life, not one buffer until its
-//! `Fin`/`PushDone`. A peer can therefore read or write any buffer of that region at any time
-//! (which only ever holds data sent to that same peer, or data it sent us), including received
-//! payloads a handler is reading: a misbehaving peer can corrupt its own data on its own
-//! connection, never another connection's memory (a key used on another connection fails: see
-//! the `forged_keys_hurt_only_their_own_connection` guest test). Memory is never
-//! freed or reused while an MR covers it: regions are deregistered before they are freed, and
-//! only once every buffer of them is back. [`PoolMonitor`] (from [`RdmaTransport::pool_monitor`],
+//! valid on that connection's QP (a key used on another connection fails: see the
+//! `forged_keys_hurt_only_their_own_connection` guest test). Within a connection a key covers
+//! a whole region for the connection's life, so the rendezvous pool is split by what the peer
+//! may do with it, each part registered on its first use:
+//! - a *read-exposed* region (`REMOTE_READ` only): our outbound sources, and the sinks of our
+//!   RDMA READs. No key a peer holds lets it write into what we send it, nor into a payload we
+//!   received by pull once delivered to a handler. InfiniBand/RoCE need no remote access on a
+//!   READ's sink; iWARP places READ responses through the sink's STag, so there the one sink
+//!   buffer is registered `REMOTE_WRITE` for that READ alone and deregistered before the
+//!   payload is handed on: on iWARP each pooled pull costs one `ibv_reg_mr`, the price of that
+//!   guarantee.
+//! - a *write-exposed* region (`REMOTE_WRITE` only, never exposed for reading): the buffers we
+//!   grant to the peer's pushes. What remains wider than "one buffer, one transfer": a buffer
+//!   granted to a push stays writable by that peer after its `PushDone`, while a handler holds
+//!   the payload in it, so a misbehaving peer can change data it pushed after a handler checked
+//!   it, on its own connection only. A service that must not trust its peers past the check
+//!   receives by pull (the default: `push_up_to = 0`) or copies pushed payloads.
+//!
+//! Memory is never freed or reused while an MR covers it: regions are deregistered before they
+//! are freed, and only once every buffer of them is back. [`PoolMonitor`] (from [`RdmaTransport::pool_monitor`],
 //! [`RdmaRpcListener::pool_monitor`], [`RdmaConnection::pool_monitor`]) counts leases, returns
 //! and live regions, so tests can prove every buffer came back.
 #![deny(unsafe_code)]

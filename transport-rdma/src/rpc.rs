@@ -53,7 +53,7 @@ use rpc_core::wire::{Limits, Message};
 use rpc_core::{Config, Payload};
 use tokio::sync::{mpsc, Notify, OwnedSemaphorePermit, Semaphore};
 
-use crate::conn::PendingConnection;
+use crate::conn::{PendingConnection, PoolUse};
 use crate::verbs::PoolBuf;
 use crate::{
     FrozenBuffer, PoolMonitor, RdmaBuffer, RdmaConnection, RdmaError, RdmaListener, RdmaOptions,
@@ -649,7 +649,7 @@ impl Engine {
                     lens.push(a.len() as u64);
                     if a.is_empty() {
                         held.push(Held::Empty);
-                    } else if let Some(mut buf) = self.conn.lease_buffer(a.len()) {
+                    } else if let Some(mut buf) = self.conn.lease_buffer(a.len(), PoolUse::Source) {
                         buf.bytes_mut().copy_from_slice(a);
                         held.push(Held::Pool(buf));
                     } else {
@@ -690,7 +690,7 @@ impl Engine {
                         held.push(Held::View(a.clone()));
                         continue;
                     }
-                    if let Some(mut buf) = self.conn.lease_buffer(a.len()) {
+                    if let Some(mut buf) = self.conn.lease_buffer(a.len(), PoolUse::Source) {
                         buf.bytes_mut().copy_from_slice(a);
                         let (addr, rkey) = buf.remote();
                         segments.push(Segment {
@@ -740,7 +740,7 @@ impl Engine {
                 .map_err(|_| RdmaError::InvalidArgument("segment too large".into()))?;
             let sink = if len == 0 {
                 None
-            } else if let Some(buf) = self.conn.lease_buffer(len) {
+            } else if let Some(buf) = self.conn.lease_buffer(len, PoolUse::PullSink) {
                 Some(Some(buf))
             } else {
                 fallback.push(len);
@@ -866,7 +866,7 @@ impl Engine {
             let buf = if len == 0 {
                 None
             } else {
-                let buf = self.conn.lease_buffer(len);
+                let buf = self.conn.lease_buffer(len, PoolUse::PushGrant);
                 if buf.is_none() {
                     fallback.push(len);
                 }

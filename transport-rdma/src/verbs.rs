@@ -7,7 +7,7 @@
 //! Ownership (children hold an `Arc` of their parents, so drop order is always right):
 //! `CmChannel` <- `CmId`; `Device` (context + PD) <- `Cq` (CQ + completion channel) <- `Qp`;
 //! `Device` <- `Region` (memory owned by this module + its local MR) <- `Exposure` (remote MR);
-//! `Device` <- `PoolRegion` (a connection's pool: memory + one MR registered at set-up) <-
+//! `Device` <- `PoolRegion` (a connection's pool: memory + one MR, registered once) <-
 //! `PoolBuf` (an exclusive `rpc_core::pool::Lease` of a range) -> `PoolView` (frozen, read-only).
 //!
 //! Memory soundness rules enforced here (the rest of the crate cannot break them):
@@ -881,15 +881,32 @@ impl Qp {
             return Err((e, buf));
         }
         buf.lease.set_len(len);
-        // the pool MR allows what the sink of a READ needs on this device (REMOTE_WRITE on
-        // iWARP, see `PoolRegion::new`): no registration here
-        let (addr, lkey) = (buf.addr(), buf.region.mr.lkey());
+        // iWARP places RDMA READ responses through the sink's STag, which must allow remote
+        // writes; the pool regions a READ lands in never do (see `PoolRegion`): register the
+        // sink buffer alone for this READ, revoked when it is retired (before the buffer is
+        // handed back). InfiniBand/RoCE need no remote access on a READ's sink.
+        let op_mr = if kind == WrKind::Read
+            && self.device.transport == Transport::IWarp
+            && buf.region.access != PoolAccess::RemoteWrite
+            && len > 0
+        {
+            match buf.register_range(len, AccessFlags::LocalWrite | AccessFlags::RemoteWrite) {
+                Ok(mr) => Some(mr),
+                Err(e) => return Err((e, buf)),
+            }
+        } else {
+            None
+        };
+        let addr = buf.addr();
+        let lkey = op_mr
+            .as_ref()
+            .map_or_else(|| buf.region.mr.lkey(), |m| m.lkey());
         let wr_id = self.new_wr_id(kind);
         let mut inflight = self.inflight.lock().unwrap_or_else(|p| p.into_inner());
         inflight.insert(
             wr_id,
             InFlight {
-                _mr: None,
+                _mr: op_mr,
                 mem: Mem::Pool(buf),
             },
         );
@@ -903,7 +920,9 @@ impl Qp {
                 wr.setup_read(remote.rkey, remote.addr)
             };
             // SAFETY: as in `post_recv_pool`: the leased range is the buffer's alone, stays
-            // allocated and registered, and the buffer sits in `inflight` until retired.
+            // allocated and registered, and the buffer sits in `inflight` until retired;
+            // `lkey` is the region's MR or the per-READ MR covering `addr..addr+len`, kept in
+            // `inflight` beside the buffer (and dropped before it).
             unsafe { local.setup_sge(lkey, addr, len as u32) };
             guard.post()
         };
@@ -1164,15 +1183,46 @@ impl AsRef<[u8]> for Frozen {
 // ------------------------------------------------------------------------------------------------
 // registered pools
 
-/// One allocation per connection, registered ONCE (when the connection is set up) on the
-/// connection's own protection domain, and carved into buffers by an `rpc_core::pool::Pool`.
+/// What a peer may do to a [`PoolRegion`] through its key.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum PoolAccess {
+    /// `LOCAL_WRITE` only: receive slots
+    Local,
+    /// `LOCAL_WRITE | REMOTE_READ`: the read-exposed rendezvous region
+    RemoteRead,
+    /// `LOCAL_WRITE | REMOTE_WRITE` (no `REMOTE_READ`): the write-exposed rendezvous region
+    RemoteWrite,
+}
+
+/// One allocation, registered ONCE (receive slots when the connection is set up, rendezvous
+/// regions on their first use) on the connection's own protection domain, and carved into
+/// buffers by an `rpc_core::pool::Pool`.
 ///
-/// Access of its MR: `LOCAL_WRITE`, plus, when `remote` is set, `REMOTE_READ` (the peer pulls
-/// our rendezvous sources) and `REMOTE_WRITE` (the peer pushes into buffers we granted; and
-/// iWARP places RDMA READ responses through the sink's STag, which must allow remote writes).
 /// The key is only valid on QPs of the connection's PD, i.e. on this one connection: a peer can
-/// reach only the buffers of its own connection, never another's (per-transfer narrowing would
-/// need memory windows, which siw lacks, or a registration per transfer).
+/// reach only the buffers of its own connection, never another's. Within the connection, the
+/// key covers the whole region for its whole life (per-transfer narrowing would need memory
+/// windows, which siw lacks, or a registration per transfer), which is why the rendezvous pool
+/// is split by what the peer may do ([`PoolAccess`]):
+///
+/// - the *read-exposed* region (`REMOTE_READ`, never `REMOTE_WRITE`) holds our outbound pull
+///   sources, our push sources, and the sinks of our RDMA READs (inbound pulls) on every
+///   transport: on InfiniBand/RoCE a READ sink needs no remote access; on iWARP, whose READ
+///   responses are placed through the sink's STag, [`Qp::post_read_pool`] registers the one
+///   sink buffer `LOCAL_WRITE | REMOTE_WRITE` for that READ only and deregisters it when the
+///   READ is retired, before the buffer is handed on. So no key a peer holds lets it write into
+///   our outbound sources, nor into a payload we received by pull once it is delivered. The
+///   peer may read anything in this region (data sent to it, or data it sent us), which is what
+///   lets a pulled payload be re-exposed without a copy.
+/// - the *write-exposed* region (`REMOTE_WRITE`, no `REMOTE_READ`: nothing in it is ever
+///   re-exposed for reading, a payload pushed to us is copied if it is sent on) holds only the
+///   buffers we grant the peer to push into. **What remains:** the peer's key covers the whole
+///   region for the connection's life, so a buffer granted to a push stays writable by that
+///   peer after its `PushDone`, while the handler holds the payload delivered in it (and any
+///   other granted buffer of the region): a misbehaving peer can change data it pushed to us
+///   after a handler checked it (time-of-check/time-of-use), on its own connection only.
+///   Closing that needs a registration per transfer or memory windows (siw has none); a service
+///   that must not trust its peers after the check should copy pushed payloads, or receive by
+///   pull (`push_up_to = 0` on the sender).
 pub(crate) struct PoolRegion {
     // deregistered in Drop before the memory is freed
     mr: ManuallyDrop<Arc<MemoryRegion>>,
@@ -1180,6 +1230,7 @@ pub(crate) struct PoolRegion {
     len: usize,
     device: Arc<Device>,
     pool: rpc_core::pool::Pool,
+    access: PoolAccess,
 }
 
 // SAFETY: the region owns its heap memory (like a Box<[u8]>); its bytes are only reached
@@ -1193,23 +1244,24 @@ impl PoolRegion {
     pub(crate) fn new(
         device: &Arc<Device>,
         pool: rpc_core::pool::Pool,
-        remote: bool,
+        access: PoolAccess,
     ) -> Result<Arc<PoolRegion>, RdmaError> {
         let len = pool.region_len();
         if len == 0 {
             return Err(RdmaError::InvalidArgument("empty pool".into()));
         }
-        let mut access = AccessFlags::LocalWrite;
-        if remote {
-            access |= AccessFlags::RemoteRead | AccessFlags::RemoteWrite;
-        }
+        let flags = match access {
+            PoolAccess::Local => AccessFlags::LocalWrite,
+            PoolAccess::RemoteRead => AccessFlags::LocalWrite | AccessFlags::RemoteRead,
+            PoolAccess::RemoteWrite => AccessFlags::LocalWrite | AccessFlags::RemoteWrite,
+        };
         let boxed: Box<[u8]> = vec![0u8; len].into_boxed_slice();
         let raw: *mut [u8] = Box::into_raw(boxed);
         // SAFETY: Box::into_raw never returns null.
         let ptr = unsafe { NonNull::new_unchecked(raw as *mut u8) };
         // SAFETY: `ptr..ptr+len` is a live allocation owned by the region being built; it is
         // freed only in Drop, after the MR was deregistered.
-        let mr = unsafe { device.pd.reg_mr(ptr.as_ptr() as usize, len, access) };
+        let mr = unsafe { device.pd.reg_mr(ptr.as_ptr() as usize, len, flags) };
         match mr {
             Ok(mr) => Ok(Arc::new(PoolRegion {
                 mr: ManuallyDrop::new(mr),
@@ -1217,6 +1269,7 @@ impl PoolRegion {
                 len,
                 device: Arc::clone(device),
                 pool,
+                access,
             })),
             Err(e) => {
                 // SAFETY: `raw` came from Box::into_raw above and was not registered.
@@ -1246,9 +1299,13 @@ impl PoolRegion {
         self.mr.rkey()
     }
 
-    /// If `bytes` lie inside this region, their address (for the peer): then they are (part
-    /// of) a frozen view handed out by this region, kept alive by whoever holds `bytes`.
+    /// If `bytes` lie inside this region and the region lets the peer READ them (and nothing
+    /// more), their address (for the peer): then they are (part of) a frozen view handed out by
+    /// this region, kept alive by whoever holds `bytes`.
     pub(crate) fn address_of(&self, bytes: &[u8]) -> Option<u64> {
+        if self.access != PoolAccess::RemoteRead {
+            return None;
+        }
         let start = self.ptr.as_ptr() as usize;
         let p = bytes.as_ptr() as usize;
         (!bytes.is_empty() && p >= start && p + bytes.len() <= start + self.len).then_some(p as u64)
@@ -1286,6 +1343,27 @@ impl PoolBuf {
         self.region.ptr.as_ptr() as u64 + self.lease.offset() as u64
     }
 
+    /// Registers the buffer's first `len` bytes (at most its capacity) with `access`, on its
+    /// region's PD: an MR of its own, for one operation.
+    fn register_range(
+        &self,
+        len: usize,
+        access: AccessFlags,
+    ) -> Result<Arc<MemoryRegion>, RdmaError> {
+        let len = len.min(self.lease.capacity());
+        // SAFETY: `addr..addr+len` lies inside the buffer's leased range, inside the region,
+        // which stays allocated while an Arc of it lives; callers keep this buffer (and so its
+        // region Arc) beside the returned MR until the MR is dropped (`InFlight` drops its MR
+        // before its memory).
+        unsafe {
+            self.region
+                .device
+                .pd
+                .reg_mr(self.addr() as usize, len, access)
+        }
+        .map_err(verbs_err("ibv_reg_mr (READ sink)"))
+    }
+
     /// Address of the buffer for the peer, and the region's remote key.
     pub(crate) fn remote(&self) -> (u64, u32) {
         (self.addr(), self.region.rkey())
@@ -1307,8 +1385,8 @@ impl PoolBuf {
         // `region_len`), which this buffer's Arc keeps allocated; the pool lends a range to one
         // lease at a time, so no other PoolBuf or PoolView covers it; this buffer is not posted
         // (posting moves it into the QP) and is held by value, so the device does not touch it;
-        // the slice borrows `self` mutably, so it is the only reference. (On iWARP a misbehaving
-        // peer holding the pool's STag could still write here: see the crate docs.)
+        // the slice borrows `self` mutably, so it is the only reference. (In the write-exposed
+        // region, a misbehaving peer holding its key could still write here: see `PoolRegion`.)
         unsafe { std::slice::from_raw_parts_mut(ptr, len) }
     }
 

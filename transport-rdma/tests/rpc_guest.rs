@@ -440,7 +440,7 @@ async fn forged_keys_hurt_only_their_own_connection() {
         let src_exposed = src.expose(RemoteAccess::Read).expect("expose");
         let t = src_exposed.token();
         honest.announce_echo(5, Segment { addr: t.addr, len: t.len, rkey: t.rkey }).await;
-        let (reply_id, lent) = loop {
+        let (_reply_id, lent) = loop {
             match honest.next().await.expect("the honest call is answered") {
                 Packet::PullRts { id, segments, .. } => break (id, segments[0]),
                 Packet::Fin { id } => assert_eq!(id, 5, "Fin for our transfer"),
@@ -473,11 +473,50 @@ async fn forged_keys_hurt_only_their_own_connection() {
         let mut mine = honest.conn.alloc_buffer(sent.len()).expect("alloc");
         honest.conn.read(&mut mine, 0, &stolen, 0, sent.len()).await.expect("the owner reads its reply");
         assert!(mine.bytes().expect("bytes")[..] == sent[..], "the echoed payload is intact");
-        let mut fin = BytesMut::new();
-        Packet::encode_control(&mut fin, 0, &Packet::Fin { id: reply_id });
-        honest.conn.send(&fin).await.expect("Fin");
         good_calls().await;
-        println!("device {dev}: forged key, overlong length, stolen key (READ, and WRITE: {}): each ended only its own connection; the other client's calls went on", if write.is_err() { "failed at once" } else { "terminated by the responder" });
+
+        // 4. the rightful peer itself WRITEs with the key of a pull token it was given (read
+        //    access): the echoed reply is the very pool buffer the server pulled the request
+        //    into and handed to its handler (re-exposed without a copy), so a write there would
+        //    change data the server delivered. The key must not allow it: the WRITE fails
+        //    (InfiniBand/RoCE NAK it; on iWARP the responder terminates the connection), only
+        //    this peer's connection ends, and the server's bytes stay as they were.
+        let mut graffiti = honest.conn.alloc_buffer(sent.len()).expect("alloc");
+        graffiti.bytes_mut().expect("bytes").fill(0x5A);
+        let overwrite = tokio::time::timeout(Duration::from_secs(60), honest.conn.write(&mut graffiti, 0, &stolen, 0, sent.len()))
+            .await
+            .expect("a WRITE with a read key completes (with an error on IB/RoCE)");
+        tracing::info!("WRITE with a pull token's key: {overwrite:?}");
+        // if the connection still works, the server's buffer must be unchanged (before the
+        // rendezvous pool was split by access, this READ succeeded and returned 0x5A bytes)
+        let mut again = honest.conn.alloc_buffer(sent.len()).expect("alloc");
+        let reread = tokio::time::timeout(Duration::from_secs(60), honest.conn.read(&mut again, 0, &stolen, 0, sent.len()))
+            .await
+            .expect("a READ after the WRITE completes");
+        if reread.is_ok() {
+            let b = again.bytes().expect("bytes");
+            assert!(
+                b[..] == sent[..],
+                "a WRITE with a pull token's (read) key changed the server's exposed buffer: {} of {} bytes are now 0x5A",
+                b.iter().filter(|&&x| x == 0x5A).count(),
+                b.len()
+            );
+        }
+        assert!(
+            overwrite.is_err() || reread.is_err(),
+            "a WRITE with a pull token's (read) key went through and the connection lives on: {overwrite:?} {reread:?}"
+        );
+        honest.dropped_by_server("WRITE with a pull token's read key").await;
+        good_calls().await;
+        println!(
+            "device {dev}: forged key, overlong length, stolen key (READ, and WRITE: {}), WRITE with a pull token's read key ({}): each ended only its own connection; the server's bytes were unchanged; the other client's calls went on",
+            if write.is_err() { "failed at once" } else { "terminated by the responder" },
+            match (&overwrite, &reread) {
+                (Err(e), _) => format!("failed at once: {e}"),
+                (Ok(()), Err(e)) => format!("terminated by the responder, next READ: {e}"),
+                (Ok(()), Ok(())) => "went through?!".to_string(),
+            }
+        );
 
         // nothing leaked on the server: every buffer back once the connections are gone
         drop((forger, liar, exposed, small, honest, src_exposed, src, thief, vandal, good));
