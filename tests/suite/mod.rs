@@ -614,44 +614,29 @@ pub async fn connection_limit(bind: &Endpoint) {
 pub struct Doomed {
     pub endpoint: Endpoint,
     pub probes: Probes,
-    kill: tokio::sync::oneshot::Sender<()>,
-    thread: std::thread::JoinHandle<()>,
+    rt: test_support::DoomedRuntime,
 }
 
 impl Doomed {
     pub fn start(bind: &Endpoint, config: Config) -> Doomed {
         let (imp, probes) = probe();
-        let (kill, killed) = tokio::sync::oneshot::channel::<()>();
-        let (tx, rx) = std::sync::mpsc::channel();
         let bind = bind.clone();
-        let thread = std::thread::spawn(move || {
-            let rt = tokio::runtime::Builder::new_multi_thread()
-                .worker_threads(1)
-                .enable_all()
-                .build()
-                .expect("server runtime");
-            rt.block_on(async move {
-                let server = Server::bind_with(&bind, config).await.expect("bind");
-                tx.send(server.local_endpoint()).expect("the test waits");
-                tokio::spawn(server.serve(ProbeServer::new(imp)));
-                let _ = killed.await;
-            });
-            // dropping the runtime drops the server, its connections and handlers mid-flight
-            drop(rt);
+        let (endpoint, rt) = test_support::DoomedRuntime::start(move || async move {
+            let server = Server::bind_with(&bind, config).await.expect("bind");
+            let endpoint = server.local_endpoint();
+            tokio::spawn(server.serve(ProbeServer::new(imp)));
+            (endpoint, ())
         });
-        let endpoint = rx.recv().expect("the server thread started");
         Doomed {
             endpoint,
             probes,
-            kill,
-            thread,
+            rt,
         }
     }
 
     /// Kills the server; returns once its runtime is gone.
     pub fn kill(self) -> Probes {
-        let _ = self.kill.send(());
-        tokio::task::block_in_place(|| self.thread.join()).expect("server thread");
+        self.rt.kill();
         self.probes
     }
 }

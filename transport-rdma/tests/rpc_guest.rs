@@ -652,44 +652,23 @@ async fn many_connections_memory() {
 /// no shutdown and no goodbye.
 struct Doomed {
     pools: PoolMonitor,
-    kill: tokio::sync::oneshot::Sender<()>,
-    thread: std::thread::JoinHandle<()>,
+    rt: test_support::DoomedRuntime,
 }
 
 impl Doomed {
     fn start(addr: SocketAddr, config: &Config, opts: RdmaOptions) -> Doomed {
-        let (kill, killed) = tokio::sync::oneshot::channel::<()>();
-        let (tx, rx) = std::sync::mpsc::channel();
         let config = config.clone();
-        let thread = std::thread::spawn(move || {
-            let rt = tokio::runtime::Builder::new_multi_thread()
-                .worker_threads(1)
-                .enable_all()
-                .build()
-                .expect("server runtime");
-            let srv = rt.block_on(async move {
-                let srv = BlobServer::start(addr, &config, opts);
-                tx.send(srv.pools.clone())
-                    .expect("the test waits for the pools");
-                let _ = killed.await;
-                srv
-            });
+        let (pools, rt) = test_support::DoomedRuntime::start(move || async move {
+            let srv = BlobServer::start(addr, &config, opts);
             // the server still runs, from its own point of view: its runtime goes first
-            drop(rt);
-            drop(srv);
+            (srv.pools.clone(), srv)
         });
-        let pools = rx.recv().expect("the server thread started");
-        Doomed {
-            pools,
-            kill,
-            thread,
-        }
+        Doomed { pools, rt }
     }
 
     /// Kills it; its pool counters afterwards.
     fn kill(self) -> PoolMonitor {
-        let _ = self.kill.send(());
-        tokio::task::block_in_place(|| self.thread.join()).expect("server thread");
+        self.rt.kill();
         self.pools
     }
 }
