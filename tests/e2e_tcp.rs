@@ -279,3 +279,47 @@ async fn connection_refused_is_unavailable() {
     assert!(matches!(e, RpcError::Unavailable(_)), "{e}");
     let _ = Duration::ZERO;
 }
+
+/// A server whose keep-alive pings before it has read the client's greeting (a loaded server
+/// with a short keep-alive interval): the client answers the ping during its handshake and
+/// still connects.
+#[tokio::test]
+async fn handshake_answers_an_early_ping() {
+    use rdma_rpc::core::wire::{Limits, WireHeader};
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let server = tokio::spawn(async move {
+        let (mut s, _) = listener.accept().await.unwrap();
+        s.write_all(&frame(Kind::Ping, 7, 0, b"")).await.unwrap();
+        let mut seen = Vec::new();
+        for _ in 0..2 {
+            let mut head = [0u8; HEADER_LEN];
+            s.read_exact(&mut head).await.unwrap();
+            let h = WireHeader::parse(
+                &head,
+                &Limits {
+                    max_message_size: 1 << 20,
+                    max_attachments: 4,
+                },
+            )
+            .unwrap();
+            let mut rest = vec![0u8; h.len as usize];
+            s.read_exact(&mut rest).await.unwrap();
+            seen.push((h.header.kind, h.header.id));
+        }
+        s.write_all(&frame(Kind::Hello, 0, 0, b"")).await.unwrap();
+        (seen, s)
+    });
+    let ep: Endpoint = format!("tcp://{addr}").parse().unwrap();
+    let client = tokio::time::timeout(EVENTUALLY, rdma_rpc::Client::connect(&ep))
+        .await
+        .expect("the handshake ends")
+        .expect("the handshake succeeds after an early ping");
+    let (seen, _s) = server.await.unwrap();
+    assert_eq!(
+        seen,
+        [(Kind::Hello, 0), (Kind::Pong, 7)],
+        "greeting, then the pong"
+    );
+    assert!(!client.is_closed());
+}

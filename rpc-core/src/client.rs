@@ -267,10 +267,18 @@ impl Client {
             // A server that refuses the connection may answer and close before the greeting
             // is out: then its answer, if it arrived, says more than the failed send.
             let sent = writer.send(hello).await;
-            match (reader.next().await.transpose(), sent) {
-                (Ok(Some(answer)), _) => Ok(Some(answer)),
-                (_, Err(e)) => Err(e),
-                (answer, Ok(())) => answer,
+            loop {
+                match reader.next().await.transpose() {
+                    // the server's keep-alive may ping before it has read our greeting
+                    Ok(Some(m)) if sent.is_ok() && m.header.kind == Kind::Ping => {
+                        writer
+                            .send(Message::control(Kind::Pong, m.header.id))
+                            .await?;
+                    }
+                    Ok(Some(m)) if sent.is_ok() && m.header.kind == Kind::Pong => {}
+                    Ok(Some(answer)) => return Ok(Some(answer)),
+                    other => return sent.and(other),
+                }
             }
         };
         let answer = tokio::time::timeout(config.connect_timeout, greeting)
