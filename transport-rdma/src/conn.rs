@@ -987,7 +987,14 @@ async fn drive(
 
 fn on_cm_event(shared: &Shared, ev: CmEvent) {
     match ev.kind {
-        CmEventKind::Disconnected | CmEventKind::DeviceRemoval => {
+        // A peer that dies while the connection is being set up can make rdma_cm reject it
+        // after our side saw it established (rxe: REJ after our RTU): the connection is gone
+        // all the same, so it ends here, not only when the keep-alive gives up.
+        CmEventKind::Disconnected
+        | CmEventKind::DeviceRemoval
+        | CmEventKind::Rejected
+        | CmEventKind::ConnectError
+        | CmEventKind::Unreachable => {
             tracing::debug!("transport-rdma: {:?} on qp {}", ev.kind, shared.qp.qp_num());
             {
                 let mut st = lock(&shared.state);

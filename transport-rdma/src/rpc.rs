@@ -1501,17 +1501,32 @@ async fn send_loop(
             let p = lock(&engine.proto);
             p.transfers.is_empty() && p.ops == 0
         } {
-            // the last SENDs complete first
+            // the last SENDs complete first, unless the connection is already gone (then the
+            // device sends nothing more) or the drain takes too long (a SEND to a dead peer
+            // completes only when its retries run out)
+            let deadline = drain_deadline.unwrap_or_else(tokio::time::Instant::now);
             loop {
+                if engine.conn.is_closed() {
+                    break;
+                }
                 let front = engine
                     .inflight
                     .lock()
                     .unwrap_or_else(|p| p.into_inner())
                     .pop_front();
                 let Some(c) = front else { break };
-                if let Err(e) = c.wait().await {
-                    tracing::debug!("transport-rdma: send failed, closing the connection: {e}");
-                    break;
+                match tokio::time::timeout_at(deadline, c.wait()).await {
+                    Ok(Ok(())) => {}
+                    Ok(Err(e)) => {
+                        tracing::debug!("transport-rdma: send failed, closing the connection: {e}");
+                        break;
+                    }
+                    Err(_) => {
+                        tracing::debug!(
+                            "transport-rdma: drain took longer than {DRAIN_LIMIT:?}; closing"
+                        );
+                        break;
+                    }
                 }
             }
             engine.shutdown();
