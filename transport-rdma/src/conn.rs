@@ -3,12 +3,11 @@
 
 use std::collections::HashMap;
 use std::net::SocketAddr;
-use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use tokio::io::unix::AsyncFd;
-use tokio::sync::{mpsc, oneshot, Notify, OwnedSemaphorePermit, Semaphore};
+use tokio::sync::{mpsc, oneshot, Semaphore};
 use tokio::task::JoinHandle;
 
 use crate::cm::CmDispatcher;
@@ -78,13 +77,7 @@ struct Shared {
     /// held while polling the CQ and dispatching, so completions are delivered in order
     poll_lock: Mutex<Vec<Wc>>,
     recv_tx: mpsc::UnboundedSender<RecvEvent>,
-    /// signalled for every receive event queued (a stored permit for a waiter not yet
-    /// waiting): receivers wait on it without holding the receive queue
-    recv_ready: Notify,
     busy_poll: Duration,
-    /// when the connection started, and the last completion seen since (microseconds)
-    epoch: Instant,
-    last_activity: AtomicU64,
     state: Mutex<State>,
     send_pool: Mutex<Vec<Arc<Region>>>,
     send_permits: Arc<Semaphore>,
@@ -153,23 +146,9 @@ impl Shared {
             }
         };
         if n > 0 {
-            self.last_activity
-                .store(self.epoch.elapsed().as_micros() as u64, Ordering::Relaxed);
             dispatch(self, &wcs);
         }
         Ok(n)
-    }
-
-    /// How long since the last completion was polled (by anyone).
-    fn idle_for(&self) -> Duration {
-        let now = self.epoch.elapsed().as_micros() as u64;
-        Duration::from_micros(now.saturating_sub(self.last_activity.load(Ordering::Relaxed)))
-    }
-
-    /// Queues a receive event and wakes a task waiting for one.
-    fn push_recv(&self, ev: RecvEvent) {
-        let _ = self.recv_tx.send(ev);
-        self.recv_ready.notify_one();
     }
 
     /// Busy-polls the CQ inline (no task switch) until `done` or `busy_poll` elapsed.
@@ -212,8 +191,7 @@ const ONE_SIDED: usize = 8;
 /// A connected RDMA reliable connection (RC queue pair set up with rdma_cm).
 pub struct RdmaConnection {
     shared: Arc<Shared>,
-    /// never held across an await: a receiver waits on `Shared::recv_ready`
-    recv_rx: Mutex<mpsc::UnboundedReceiver<RecvEvent>>,
+    recv_rx: tokio::sync::Mutex<mpsc::UnboundedReceiver<RecvEvent>>,
     id: CmId,
     driver: JoinHandle<()>,
     device_name: String,
@@ -379,10 +357,7 @@ impl RdmaConnection {
             cq: Arc::clone(&cq),
             poll_lock: Mutex::new(Vec::with_capacity(64)),
             recv_tx,
-            recv_ready: Notify::new(),
             busy_poll: opts.busy_poll,
-            epoch: Instant::now(),
-            last_activity: AtomicU64::new(0),
             state: Mutex::new(State::default()),
             send_pool: Mutex::new(Vec::with_capacity(send_slots)),
             send_permits: Arc::new(Semaphore::new(send_slots)),
@@ -403,7 +378,7 @@ impl RdmaConnection {
         let driver = tokio::spawn(drive(Arc::clone(&shared), afd, cm_rx));
         Ok(RdmaConnection {
             shared,
-            recv_rx: Mutex::new(recv_rx),
+            recv_rx: tokio::sync::Mutex::new(recv_rx),
             id,
             driver,
             device_name,
@@ -587,32 +562,6 @@ impl RdmaConnection {
             .acquire_owned()
             .await
             .map_err(|_| RdmaError::Closed(None))?;
-        self.send_with(SendSlot(permit), msg)
-    }
-
-    /// A free send slot, if there is one now (see [`RdmaConnection::send_with`]).
-    pub(crate) fn try_send_slot(&self) -> Option<SendSlot> {
-        Arc::clone(&self.shared.send_permits)
-            .try_acquire_owned()
-            .ok()
-            .map(SendSlot)
-    }
-
-    /// Posts a SEND of `msg` in `slot` (see [`RdmaConnection::start_send`]), without waiting.
-    pub(crate) fn send_with(
-        &self,
-        slot: SendSlot,
-        msg: &[u8],
-    ) -> Result<SendCompletion, RdmaError> {
-        let permit = slot.0;
-        if msg.len() > self.shared.slot_size {
-            return Err(RdmaError::InvalidArgument(format!(
-                "message of {} bytes exceeds the {}-byte slot",
-                msg.len(),
-                self.shared.slot_size
-            )));
-        }
-        self.check_open()?;
         let pooled = lock(&self.shared.send_pool).pop();
         let mut slot = match pooled {
             Some(s) => s,
@@ -638,61 +587,29 @@ impl RdmaConnection {
     /// slot returns to the pool when the last view is dropped, and a fresh one is posted in its
     /// place), or a copy if the slot pool has none free; `Ok(None)` once the peer disconnected.
     pub async fn recv_bytes(&self) -> Result<Option<bytes::Bytes>, RdmaError> {
-        let mut spun = false;
-        loop {
-            if let Some(r) = self.try_recv_bytes() {
-                return r;
-            }
-            if !spun {
-                spun = true;
-                self.shared
-                    .spin_until(|| {
-                        !lock(&self.recv_rx).is_empty() || lock(&self.shared.state).disconnected
-                    })
-                    .await;
-                continue;
-            }
-            self.shared.recv_ready.notified().await;
-        }
-    }
-
-    /// What [`RdmaConnection::recv_bytes`] returns if a receive event is queued now; `None` if
-    /// none is (it polls no completions: see [`RdmaConnection::poll_completions`]).
-    pub(crate) fn try_recv_bytes(&self) -> Option<Result<Option<bytes::Bytes>, RdmaError>> {
-        let mut rx = lock(&self.recv_rx);
+        let mut rx = self.recv_rx.lock().await;
         if rx.is_empty() && lock(&self.shared.state).disconnected {
-            return Some(Ok(None));
+            return Ok(None);
         }
-        let ev = match rx.try_recv() {
-            Ok(ev) => ev,
-            Err(mpsc::error::TryRecvError::Empty) => return None,
-            Err(mpsc::error::TryRecvError::Disconnected) => return Some(Ok(None)),
+        let mut early = None;
+        self.shared
+            .spin_until(|| match rx.try_recv() {
+                Ok(ev) => {
+                    early = Some(Some(ev));
+                    true
+                }
+                Err(mpsc::error::TryRecvError::Empty) => false,
+                Err(mpsc::error::TryRecvError::Disconnected) => {
+                    early = Some(None);
+                    true
+                }
+            })
+            .await;
+        let ev = match early {
+            Some(ev) => ev,
+            None => rx.recv().await,
         };
-        // (the receiver stays locked: concurrent receivers repost slots in order)
-        Some(self.finish_recv(ev))
-    }
-
-    /// Waits until a receive event may have been queued (see `Shared::push_recv`).
-    pub(crate) async fn recv_wakeup(&self) {
-        self.shared.recv_ready.notified().await
-    }
-
-    /// Polls the CQ once and dispatches what it finds, unless another task is at it.
-    pub(crate) fn poll_completions(&self) {
-        let _ = self.shared.poll_once(false);
-    }
-
-    /// The busy-poll window ([`RdmaOptions::busy_poll`]).
-    pub(crate) fn busy_poll(&self) -> Duration {
-        self.shared.busy_poll
-    }
-
-    /// How long since the last completion was polled.
-    pub(crate) fn idle_for(&self) -> Duration {
-        self.shared.idle_for()
-    }
-
-    fn finish_recv(&self, ev: RecvEvent) -> Result<Option<bytes::Bytes>, RdmaError> {
+        let Some(ev) = ev else { return Ok(None) };
         match ev {
             RecvEvent::Data(Mem::Pool(mut buf), len) => {
                 if len > buf.len().max(self.shared.slot_size) {
@@ -810,7 +727,7 @@ impl RdmaConnection {
                 st.closed = Some("closed locally".into());
             }
         }
-        self.shared.push_recv(RecvEvent::Eof);
+        let _ = self.shared.recv_tx.send(RecvEvent::Eof);
         if let Err(e) = self.id.disconnect() {
             tracing::debug!("transport-rdma: {e}");
         }
@@ -882,26 +799,7 @@ impl std::fmt::Debug for SendCompletion {
     }
 }
 
-/// A reserved send slot (see [`RdmaConnection::try_send_slot`]).
-pub(crate) struct SendSlot(OwnedSemaphorePermit);
-
 impl SendCompletion {
-    /// The result if the SEND completed already (the slot then returns, as with
-    /// [`SendCompletion::wait`]); else itself back.
-    pub(crate) fn try_finish(mut self) -> Result<Result<(), RdmaError>, SendCompletion> {
-        let done = match self.rx.try_recv() {
-            Ok(done) => done.res,
-            Err(oneshot::error::TryRecvError::Empty) => return Err(self),
-            Err(oneshot::error::TryRecvError::Closed) => {
-                Err(RdmaError::Closed(Some("completion driver stopped".into())))
-            }
-        };
-        if done.is_ok() {
-            lock(&self.shared.send_pool).push(Arc::clone(&self.slot));
-        }
-        Ok(done)
-    }
-
     /// Waits until the SEND completed locally (on a reliable connection: the peer has it).
     pub async fn wait(self) -> Result<(), RdmaError> {
         let SendCompletion {
@@ -934,13 +832,12 @@ async fn drive(
         // tasklet for every event) and us a wake-up, an event read and a re-arm, each a system
         // call. Busy traffic therefore never arms the CQ; an idle connection arms it after
         // `busy_poll` and sleeps.
-        // (activity: completions polled by anyone, a reader polling for its packets too)
-        shared
-            .last_activity
-            .store(shared.epoch.elapsed().as_micros() as u64, Ordering::Relaxed);
+        let mut last = Instant::now();
         loop {
-            if shared.poll_once(true).is_err() {
-                return;
+            match shared.poll_once(true) {
+                Ok(0) => {}
+                Ok(_) => last = Instant::now(),
+                Err(_) => return,
             }
             if cm_open {
                 match cm_rx.try_recv() {
@@ -949,7 +846,7 @@ async fn drive(
                     Err(mpsc::error::TryRecvError::Disconnected) => cm_open = false,
                 }
             }
-            if shared.idle_for() >= shared.busy_poll {
+            if last.elapsed() >= shared.busy_poll {
                 break;
             }
             tokio::task::yield_now().await;
@@ -1007,7 +904,7 @@ fn on_cm_event(shared: &Shared, ev: CmEvent) {
             // data, so messages the peer sent (and saw completed) before disconnecting may
             // still sit in our CQ.
             while matches!(shared.poll_once(true), Ok(n) if n > 0) {}
-            shared.push_recv(RecvEvent::Eof);
+            let _ = shared.recv_tx.send(RecvEvent::Eof);
             // flush what is posted: waiters fail
             if let Err(e) = shared.qp.set_error() {
                 tracing::debug!("transport-rdma: {e}");
@@ -1066,7 +963,7 @@ fn dispatch(shared: &Shared, wcs: &[Wc]) {
                         flushed: wc.is_flush(),
                     },
                 };
-                shared.push_recv(ev);
+                let _ = shared.recv_tx.send(ev);
             }
             _ => {
                 // release a region before waking the waiter, which may touch it at once; a pool
@@ -1102,7 +999,7 @@ fn fail_all(shared: &Shared, why: &str) {
         .failed
         .get_or_insert_with(|| why.to_string());
     fail_waiters(shared, why);
-    shared.push_recv(RecvEvent::Failed {
+    let _ = shared.recv_tx.send(RecvEvent::Failed {
         err: RdmaError::Closed(Some(why.to_string())),
         flushed: false,
     });

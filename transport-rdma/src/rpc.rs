@@ -36,11 +36,10 @@
 //! instead of registering one when the pool is exhausted, splitting attachments larger than
 //! the pool's largest class over several buffers.
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::HashMap;
 use std::io;
 use std::net::SocketAddr;
 use std::pin::Pin;
-use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::task::{Context, Poll};
 
@@ -263,9 +262,6 @@ impl rpc_core::Transport for RdmaTransport {
                     },
                     RdmaWriter {
                         tx: msg_tx,
-                        engine: None,
-                        batch: Vec::new(),
-                        frames: 0,
                         _close: None,
                     },
                 );
@@ -276,9 +272,6 @@ impl rpc_core::Transport for RdmaTransport {
         let inbound_units = units(self.max_fallback_bytes)
             .max(units(self.config.max_message_size) + u64::from(self.config.max_attachments));
         let (ctl_tx, ctl_rx) = mpsc::unbounded_channel();
-        // Unbounded, yet at most `slots` messages: a delivered message holds its slot's credit
-        // until the reader takes it (see `receive_loop`).
-        let (in_tx, in_rx) = mpsc::unbounded_channel();
         let engine = Arc::new(Engine {
             slot: conn.max_message_size(),
             pool: conn.pool_monitor(),
@@ -291,10 +284,6 @@ impl rpc_core::Transport for RdmaTransport {
             }),
             credit_changed: Notify::new(),
             ctl_tx,
-            msgs_ahead: AtomicUsize::new(0),
-            ctl_ahead: AtomicUsize::new(0),
-            inflight: Mutex::new(VecDeque::new()),
-            turn: Mutex::new(Some(Deliver(in_tx))),
             limits: self.config.limits(),
             eager_threshold: self.config.eager_threshold,
             push_up_to: self.push_up_to,
@@ -304,20 +293,20 @@ impl rpc_core::Transport for RdmaTransport {
             inbound_units,
         });
         let (msg_tx, msg_rx) = fmpsc::channel(64);
-        tokio::spawn(receive_loop(Arc::clone(&engine)));
+        // Unbounded, yet at most `slots` messages: a delivered message holds its slot's credit
+        // until the reader takes it (see `receive_loop`).
+        let (in_tx, in_rx) = mpsc::unbounded_channel();
+        tokio::spawn(receive_loop(Arc::clone(&engine), Deliver(in_tx)));
         tokio::spawn(send_loop(Arc::clone(&engine), msg_rx, ctl_rx));
         let closer = Arc::new(CloseOnDrop(Arc::clone(&engine)));
         (
             RdmaReader {
                 rx: in_rx,
-                engine: Some(Arc::clone(&engine)),
+                engine: Some(engine),
                 _close: Some(Arc::clone(&closer)),
             },
             RdmaWriter {
                 tx: msg_tx,
-                engine: Some(engine),
-                batch: Vec::new(),
-                frames: 0,
                 _close: Some(closer),
             },
         )
@@ -355,43 +344,17 @@ pub struct RdmaReader {
 impl Stream for RdmaReader {
     type Item = io::Result<Message>;
 
-    /// Within the busy-poll window (since the connection's last completion) it polls the CQ
-    /// and takes the received packets itself, and asks to be polled again rather than wait
-    /// for the receive loop to hand them on: no task switch between the CQ and the reader.
     fn poll_next(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Self::Item>> {
-        loop {
-            let d = match self.rx.poll_recv(cx) {
-                Poll::Ready(Some(d)) => d,
-                Poll::Ready(None) => return Poll::Ready(None),
-                Poll::Pending => {
-                    let Some(engine) = &self.engine else {
-                        return Poll::Pending;
-                    };
-                    let busy = engine.conn.busy_poll();
-                    if busy.is_zero() || engine.conn.idle_for() >= busy {
-                        // the receive loop wakes us
-                        return Poll::Pending;
-                    }
-                    engine.conn.poll_completions();
-                    let _ = engine.reap();
-                    match engine.pump(false) {
-                        Pumped::Progress => continue,
-                        Pumped::Idle => {
-                            // (woken by itself, the task goes behind the others ready to run)
-                            cx.waker().wake_by_ref();
-                            return Poll::Pending;
-                        }
-                        // the channel tells why
-                        Pumped::Ended => return Poll::Pending,
-                    }
-                }
-            };
-            if let (true, Some(engine)) = (d.credit, &self.engine) {
-                // taken: the slot's credit goes back to the peer
-                engine.release();
-            }
-            return Poll::Ready(Some(d.item));
+        let d = match self.rx.poll_recv(cx) {
+            Poll::Ready(Some(d)) => d,
+            Poll::Ready(None) => return Poll::Ready(None),
+            Poll::Pending => return Poll::Pending,
+        };
+        if let (true, Some(engine)) = (d.credit, &self.engine) {
+            // taken: the slot's credit goes back to the peer
+            engine.release();
         }
+        Poll::Ready(Some(d.item))
     }
 }
 
@@ -429,85 +392,9 @@ impl Deliver {
 }
 
 /// Sending half of an [`RdmaTransport`].
-///
-/// Small (eager) messages it keeps until a flush (or until the next does not fit one SEND
-/// with them), then posts them in one SEND from the caller's task if nothing is queued for
-/// the send loop ahead of them and a credit and a send slot are free; anything else goes to
-/// the send loop, in order.
 pub struct RdmaWriter {
-    tx: fmpsc::Sender<Vec<Message>>,
-    engine: Option<Arc<Engine>>,
-    /// eager messages accepted, not yet posted nor queued: they fit one SEND together
-    batch: Vec<Message>,
-    /// their frames' length
-    frames: u64,
+    tx: fmpsc::Sender<Message>,
     _close: Option<Arc<CloseOnDrop>>,
-}
-
-impl RdmaWriter {
-    /// Posts the batch from this task if it may (see [`Engine::try_post_direct`]).
-    fn post_direct(&mut self) -> io::Result<bool> {
-        let Some(engine) = &self.engine else {
-            return Ok(false);
-        };
-        if engine.try_post_direct(&self.batch).map_err(to_io)? {
-            self.batch.clear();
-            self.frames = 0;
-            return Ok(true);
-        }
-        Ok(false)
-    }
-
-    /// Queues the batch and `then` for the send loop, in one item of the channel (its place
-    /// reserved by `poll_ready`).
-    fn queue(&mut self, then: Option<Message>) -> io::Result<()> {
-        let mut v = std::mem::take(&mut self.batch);
-        self.frames = 0;
-        v.extend(then);
-        if v.is_empty() {
-            return Ok(());
-        }
-        let n = v.len();
-        if let Some(e) = &self.engine {
-            e.msgs_ahead.fetch_add(n, Ordering::SeqCst);
-        }
-        self.tx.start_send(v).map_err(|e| {
-            if let Some(engine) = &self.engine {
-                engine.msgs_ahead.fetch_sub(n, Ordering::SeqCst);
-            }
-            closed_pipe(e)
-        })
-    }
-
-    /// Posts or queues the batch.
-    fn poll_batch(&mut self, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
-        if self.batch.is_empty() || self.post_direct()? {
-            return Poll::Ready(Ok(()));
-        }
-        match self.tx.poll_ready(cx) {
-            Poll::Ready(Ok(())) => Poll::Ready(self.queue(None)),
-            Poll::Ready(Err(e)) => Poll::Ready(Err(closed_pipe(e))),
-            Poll::Pending => Poll::Pending,
-        }
-    }
-}
-
-impl Drop for RdmaWriter {
-    fn drop(&mut self) {
-        // accepted messages still go (as when they were queued)
-        if self.batch.is_empty() || matches!(self.post_direct(), Ok(true)) {
-            return;
-        }
-        let Some(engine) = self.engine.clone() else {
-            return;
-        };
-        let late = std::mem::take(&mut self.batch);
-        let n = late.len();
-        engine.msgs_ahead.fetch_add(n, Ordering::SeqCst);
-        if !engine.ctl(Ctl::Late(late)) {
-            engine.msgs_ahead.fetch_sub(n, Ordering::SeqCst);
-        }
-    }
 }
 
 fn closed_pipe(_: fmpsc::SendError) -> io::Error {
@@ -522,36 +409,14 @@ impl futures::Sink<Message> for RdmaWriter {
     }
 
     fn start_send(mut self: Pin<&mut Self>, item: Message) -> io::Result<()> {
-        let this = &mut *self;
-        let Some(engine) = &this.engine else {
-            return this.queue(Some(item));
-        };
-        if !engine.is_eager(&item) {
-            // behind the batch
-            if !this.batch.is_empty() {
-                this.post_direct()?;
-            }
-            return this.queue(Some(item));
-        }
-        let len = item.wire_len();
-        let fits = this.batch.is_empty()
-            || (this.batch.len() < MAX_BATCH
-                && Packet::batch_len(this.frames + len) <= engine.slot as u64);
-        if !fits && !this.post_direct()? {
-            this.queue(None)?;
-        }
-        this.frames += len;
-        this.batch.push(item);
-        Ok(())
+        self.tx.start_send(item).map_err(closed_pipe)
     }
 
     fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
-        futures::ready!(self.poll_batch(cx))?;
         self.tx.poll_flush_unpin(cx).map_err(closed_pipe)
     }
 
     fn poll_close(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
-        futures::ready!(self.poll_batch(cx))?;
         self.tx.poll_close_unpin(cx).map_err(closed_pipe)
     }
 }
@@ -562,19 +427,9 @@ struct CloseOnDrop(Arc<Engine>);
 
 impl Drop for CloseOnDrop {
     fn drop(&mut self) {
-        if !self.0.ctl(Ctl::Drain) {
+        if self.0.ctl_tx.send(Ctl::Drain).is_err() {
             self.0.shutdown();
         }
-    }
-}
-
-impl Ctl {
-    /// Whether it is a packet the writer's messages must not overtake (see [`Engine::ctl`]).
-    fn counted(&self) -> bool {
-        matches!(
-            self,
-            Ctl::Late(_) | Ctl::Fin(_) | Ctl::Refuse(..) | Ctl::Cts(..) | Ctl::PushDone(_)
-        )
     }
 }
 
@@ -646,9 +501,6 @@ struct Proto {
 }
 
 enum Ctl {
-    /// the writer was dropped with these messages accepted and not yet queued: they go after
-    /// everything it queued
-    Late(Vec<Message>),
     Fin(u64),
     Refuse(u64, u32),
     /// grant these buffers for the peer's push transfer
@@ -668,17 +520,6 @@ struct Engine {
     proto: Mutex<Proto>,
     credit_changed: Notify,
     ctl_tx: mpsc::UnboundedSender<Ctl>,
-    /// packets queued for the send loop and not yet posted: the writer's messages, and
-    /// control packets that must not be overtaken (see [`Engine::ctl`]); the writer posts
-    /// directly only when both are 0 (see [`Engine::try_post_direct`])
-    msgs_ahead: AtomicUsize,
-    ctl_ahead: AtomicUsize,
-    /// SENDs posted (by the send loop or directly by the writer) and not yet seen completed, in
-    /// posting order: each holds its send slot (see [`Engine::reap`])
-    inflight: Mutex<VecDeque<SendCompletion>>,
-    /// the right to take received packets (one task at a time, in order) and the reader's
-    /// channel (`None` once the connection ended); see [`Engine::pump`]
-    turn: Mutex<Option<Deliver>>,
     limits: Limits,
     eager_threshold: usize,
     /// messages with at most this many bulk bytes go by sender-push, larger ones by pull
@@ -696,98 +537,12 @@ fn lock(m: &Mutex<Proto>) -> std::sync::MutexGuard<'_, Proto> {
 }
 
 impl Engine {
-    /// Hands `c` to the send loop; false if it is gone. A packet (not a credit return, whose
-    /// content is made when it goes, nor a note) holds up the writer's direct posts until
-    /// it is posted, so that nothing overtakes it.
-    fn ctl(&self, c: Ctl) -> bool {
-        let counted = c.counted();
-        if counted {
-            self.ctl_ahead.fetch_add(1, Ordering::SeqCst);
-        }
-        let ok = self.ctl_tx.send(c).is_ok();
-        if !ok && counted {
-            self.ctl_ahead.fetch_sub(1, Ordering::SeqCst);
-        }
-        ok
-    }
-
-    /// Retires the SENDs seen completed (their slots return), in order; a failed one closes
-    /// the connection (`Err`).
-    fn reap(&self) -> Result<(), RdmaError> {
-        let mut q = self.inflight.lock().unwrap_or_else(|p| p.into_inner());
-        while let Some(c) = q.pop_front() {
-            match c.try_finish() {
-                Ok(Ok(())) => {}
-                Ok(Err(e)) => {
-                    drop(q);
-                    tracing::debug!("transport-rdma: send failed, closing the connection: {e}");
-                    self.shutdown();
-                    return Err(e);
-                }
-                Err(c) => {
-                    q.push_front(c);
-                    break;
-                }
-            }
-        }
-        Ok(())
-    }
-
-    fn track(&self, c: SendCompletion) {
-        self.inflight
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .push_back(c);
-    }
-
-    /// Posts eager `msgs` (one, or a batch that fits a slot) from the caller's task, if
-    /// nothing is queued for the send loop ahead of them and a credit and a send slot are
-    /// free now; `Ok(false)` otherwise (they go by the send loop then).
-    fn try_post_direct(&self, msgs: &[Message]) -> Result<bool, RdmaError> {
-        if msgs.is_empty() {
-            return Ok(true);
-        }
-        if self.msgs_ahead.load(Ordering::SeqCst) != 0 || self.ctl_ahead.load(Ordering::SeqCst) != 0
-        {
-            return Ok(false);
-        }
-        self.reap()?;
-        // Under the credit lock: the send loop (holding nothing ahead) posts no packet now,
-        // and takes its credits under this lock before its slot.
-        let mut p = lock(&self.proto);
-        if !p.credits.can_send() {
-            return Ok(false);
-        }
-        let Some(slot) = self.conn.try_send_slot() else {
-            return Ok(false);
-        };
-        let credits = p.credits.take().unwrap_or(0);
-        let mut out = BytesMut::with_capacity(256);
-        match msgs {
-            [one] => Packet::encode_eager(&mut out, credits, one),
-            many => Packet::encode_eager_batch(&mut out, credits, many),
-        }
-        let done = self.conn.send_with(slot, &out);
-        drop(p);
-        match done {
-            Ok(done) => {
-                self.track(done);
-                Ok(true)
-            }
-            Err(e) => {
-                tracing::debug!("transport-rdma: send failed, closing the connection: {e}");
-                self.shutdown();
-                Err(e)
-            }
-        }
-    }
-
     /// A received packet was consumed: owe the peer its credit, and return a half window.
     fn release(&self) {
         let mut p = lock(&self.proto);
         p.credits.on_slot_reposted();
         if p.credits.should_return() {
-            self.ctl(Ctl::Credit);
+            let _ = self.ctl_tx.send(Ctl::Credit);
         }
         drop(p);
         // a send loop blocked on data credit may now return what it owes
@@ -798,7 +553,7 @@ impl Engine {
         self.conn.close();
         // transfers waiting for budget give up
         self.inbound.close();
-        self.ctl(Ctl::Shutdown);
+        let _ = self.ctl_tx.send(Ctl::Shutdown);
         self.credit_changed.notify_waiters();
     }
 
@@ -840,45 +595,18 @@ impl Engine {
                 }
             };
             if let Some(out) = out {
-                let slot = self.send_slot().await?;
-                return self.conn.send_with(slot, &out);
+                return self.conn.start_send(&out).await;
             }
             if let Some(ret) = credit_return {
-                // use a send slot and give it back before sending the data
-                let slot = self.send_slot().await?;
-                self.conn.send_with(slot, &ret)?.wait().await?;
+                // The send loop keeps a send slot free for the packet it is handling: use it
+                // and give it back before sending the data.
+                self.conn.start_send(&ret).await?.wait().await?;
                 continue;
             }
             if self.conn.is_closed() {
                 return Err(RdmaError::Closed(Some("waiting for send credits".into())));
             }
             notified.await;
-        }
-    }
-
-    /// A send slot for the send loop: the SENDs in flight hold them, and their completions
-    /// are reaped by whoever comes by (see [`Engine::reap`]), so it waits for the oldest.
-    async fn send_slot(&self) -> Result<crate::conn::SendSlot, RdmaError> {
-        loop {
-            self.reap()?;
-            if let Some(slot) = self.conn.try_send_slot() {
-                return Ok(slot);
-            }
-            let front = self
-                .inflight
-                .lock()
-                .unwrap_or_else(|p| p.into_inner())
-                .pop_front();
-            match front {
-                Some(c) => c.wait().await?,
-                // held a moment by a post under way (the writer's): it is tracked next
-                None => {
-                    if self.conn.is_closed() {
-                        return Err(RdmaError::Closed(Some("waiting for a send slot".into())));
-                    }
-                    tokio::task::yield_now().await
-                }
-            }
         }
     }
 
@@ -1238,7 +966,7 @@ impl Op {
 impl Drop for Op {
     fn drop(&mut self) {
         lock(&self.engine.proto).ops -= 1;
-        self.engine.ctl(Ctl::Recheck);
+        let _ = self.engine.ctl_tx.send(Ctl::Recheck);
     }
 }
 
@@ -1253,282 +981,214 @@ fn violation(v: rpc_core::rendezvous::ProtocolViolation) -> io::Error {
 /// reader may be waiting for that send loop (a server answering calls). Instead, a delivered
 /// message keeps its slot's credit until the reader takes it ([`Engine::release`]), so the
 /// peer can never get more than a window of messages ahead of the reader.
-///
-/// A busy-polling reader takes the packets itself while it polls (see [`RdmaReader`]); this
-/// loop takes what arrives otherwise. Both take them through [`Engine::pump`], one at a time
-/// and in order.
-async fn receive_loop(engine: Arc<Engine>) {
-    loop {
-        if engine.pump(true) == Pumped::Ended {
-            return;
+async fn receive_loop(engine: Arc<Engine>, deliver: Deliver) {
+    // a message for the reader, or (the reader is gone) the credit straight back
+    let hand_on = |msg: Message| {
+        if deliver.message(msg, true).is_err() {
+            engine.release();
         }
-        engine.conn.recv_wakeup().await;
-    }
-}
-
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Pumped {
-    /// nothing was queued (or another task was taking the packets)
-    Idle,
-    /// packets were handled
-    Progress,
-    /// the connection ended (now or before)
-    Ended,
-}
-
-/// A message for the reader, or (the reader is gone) the credit straight back.
-fn hand_on(engine: &Engine, deliver: &Deliver, msg: Message) {
-    if deliver.message(msg, true).is_err() {
-        engine.release();
-    }
-}
-
-impl Engine {
-    /// Handles every received packet queued now (it polls no completions); `wait`: wait for
-    /// the turn if another task is handling packets, else leave them to it.
-    fn pump(self: &Arc<Engine>, wait: bool) -> Pumped {
-        let mut turn = if wait {
-            self.turn.lock().unwrap_or_else(|p| p.into_inner())
+    };
+    let end: Option<io::Error> = loop {
+        let data = match engine.conn.recv_bytes().await {
+            Ok(Some(d)) => d,
+            Ok(None) => break None,
+            Err(e) => break Some(to_io(e)),
+        };
+        let (packet, credits) = match Packet::parse(data, &engine.limits) {
+            Ok(x) => x,
+            Err(v) => break Some(violation(v)),
+        };
+        {
+            let mut p = lock(&engine.proto);
+            if let Err(v) = p.credits.on_receive(credits) {
+                break Some(violation(v));
+            }
+        }
+        // RdmaConnection::recv_bytes reposted the slot already; a message's credit goes back
+        // when the reader takes it, a control packet's now
+        // (a push announcement holds its credit until the reader takes the message, which
+        // bounds the buffers granted to one peer by the window)
+        let message = matches!(
+            packet,
+            Packet::Eager(_)
+                | Packet::EagerBatch(_)
+                | Packet::PullRts { .. }
+                | Packet::PushRts { .. }
+        );
+        if !message {
+            engine.release();
         } else {
-            match self.turn.try_lock() {
-                Ok(t) => t,
-                Err(std::sync::TryLockError::Poisoned(p)) => p.into_inner(),
-                Err(std::sync::TryLockError::WouldBlock) => return Pumped::Idle,
-            }
-        };
-        let Some(deliver) = turn.as_ref() else {
-            return Pumped::Ended;
-        };
-        let mut progress = false;
-        let end: Option<io::Error> = loop {
-            let data = match self.conn.try_recv_bytes() {
-                None => {
-                    return if progress {
-                        Pumped::Progress
-                    } else {
-                        Pumped::Idle
+            engine.credit_changed.notify_waiters();
+        }
+        match packet {
+            Packet::Eager(msg) => hand_on(msg),
+            Packet::EagerBatch(msgs) => {
+                // the slot's credit rides on the batch's last message
+                let last = msgs.len() - 1;
+                for (i, msg) in msgs.into_iter().enumerate() {
+                    if deliver.message(msg, i == last).is_err() && i == last {
+                        engine.release();
                     }
                 }
-                Some(Ok(Some(d))) => d,
-                Some(Ok(None)) => break None,
-                Some(Err(e)) => break Some(to_io(e)),
-            };
-            progress = true;
-            if let Err(e) = on_packet(self, deliver, data) {
-                break Some(e);
             }
-        };
-        if let Some(e) = end {
-            tracing::debug!("transport-rdma: connection ends: {e}");
-            deliver.error(e);
-        }
-        // the reader's channel closes once the transfers' tasks are done with it too
-        *turn = None;
-        drop(turn);
-        self.shutdown();
-        // the connection is closed (QP in the error state): the device no longer reads our
-        // exposed buffers, so they may go
-        drop(lock(&self.proto).transfers.drain());
-        Pumped::Ended
-    }
-}
-
-/// Handles one received packet; `Err`: the connection must end.
-fn on_packet(engine: &Arc<Engine>, deliver: &Deliver, data: bytes::Bytes) -> Result<(), io::Error> {
-    let (packet, credits) = Packet::parse(data, &engine.limits).map_err(violation)?;
-    lock(&engine.proto)
-        .credits
-        .on_receive(credits)
-        .map_err(violation)?;
-    // RdmaConnection::recv_bytes reposted the slot already; a message's credit goes back
-    // when the reader takes it, a control packet's now
-    // (a push announcement holds its credit until the reader takes the message, which
-    // bounds the buffers granted to one peer by the window)
-    let message = matches!(
-        packet,
-        Packet::Eager(_) | Packet::EagerBatch(_) | Packet::PullRts { .. } | Packet::PushRts { .. }
-    );
-    if !message {
-        engine.release();
-    } else {
-        engine.credit_changed.notify_waiters();
-    }
-    match packet {
-        Packet::Eager(msg) => hand_on(engine, deliver, msg),
-        Packet::EagerBatch(msgs) => {
-            // the slot's credit rides on the batch's last message
-            let last = msgs.len() - 1;
-            for (i, msg) in msgs.into_iter().enumerate() {
-                if deliver.message(msg, i == last).is_err() && i == last {
-                    engine.release();
-                }
-            }
-        }
-        Packet::PullRts { id, head, segments } => {
-            // the READs run beside this loop: a long transfer holds up no other packet
-            // (keep-alives, small calls, credits)
-            let op = Op::start(engine);
-            let deliver = deliver.clone();
-            tokio::spawn(async move {
-                match op.engine.pull(&segments).await {
-                    Ok(payloads) => {
-                        op.engine.ctl(Ctl::Fin(id));
-                        if deliver.message(head.into_message(payloads), true).is_err() {
-                            op.engine.release();
+            Packet::PullRts { id, head, segments } => {
+                // the READs run beside this loop: a long transfer holds up no other packet
+                // (keep-alives, small calls, credits)
+                let op = Op::start(&engine);
+                let deliver = deliver.clone();
+                tokio::spawn(async move {
+                    match op.engine.pull(&segments).await {
+                        Ok(payloads) => {
+                            let _ = op.engine.ctl_tx.send(Ctl::Fin(id));
+                            if deliver.message(head.into_message(payloads), true).is_err() {
+                                op.engine.release();
+                            }
                         }
+                        Err(e) => op.fail(&deliver, e),
                     }
-                    Err(e) => op.fail(&deliver, e),
-                }
-            });
-        }
-        Packet::Fin { id } => match lock(&engine.proto).transfers.on_fin(id) {
-            // dropping the buffers revokes the peer's access and frees them
-            Ok(bufs) => {
-                drop(bufs);
-                engine.ctl(Ctl::Recheck);
+                });
             }
-            Err(v) => return Err(violation(v)),
-        },
-        Packet::Refuse { id, reason } => {
-            let refused = {
-                let mut p = lock(&engine.proto);
-                p.push_lens.remove(&id);
-                p.transfers.on_refuse(id)
-            };
-            match refused {
+            Packet::Fin { id } => match lock(&engine.proto).transfers.on_fin(id) {
+                // dropping the buffers revokes the peer's access and frees them
                 Ok(bufs) => {
                     drop(bufs);
-                    tracing::warn!("transport-rdma: peer refused transfer {id} (reason {reason}); message dropped");
+                    let _ = engine.ctl_tx.send(Ctl::Recheck);
                 }
-                Err(v) => return Err(violation(v)),
-            }
-        }
-        Packet::PushRts { id, head } => {
-            // granting may wait for the fallback budget: beside this loop, like transfers
-            let op = Op::start(engine);
-            let deliver = deliver.clone();
-            tokio::spawn(async move {
-                let engine = &op.engine;
-                match engine.grant(&head.lens).await {
-                    Ok((bufs, segments)) => {
-                        let begun = lock(&engine.proto)
-                            .transfers
-                            .begin_incoming(id, Incoming::Granted { head, bufs });
-                        match begun {
-                            Ok(()) => {
-                                engine.ctl(Ctl::Cts(id, segments));
-                            }
-                            Err(v) => {
-                                deliver.error(violation(v));
-                                engine.shutdown();
-                            }
-                        }
-                    }
-                    Err(e) => {
-                        tracing::warn!("transport-rdma: no buffers for the peer's push {id}: {e}");
-                        engine.release();
-                        engine.ctl(Ctl::Refuse(id, refuse::NO_BUFFERS));
-                    }
-                }
-            });
-        }
-        Packet::Cts { id, segments } => {
-            let sources = {
-                let mut p = lock(&engine.proto);
-                let lens = p.push_lens.get(&id).cloned().unwrap_or_default();
-                let r = p.transfers.on_cts(id, &segments, lens.into_iter());
-                if r.is_ok() {
+                Err(v) => break Some(violation(v)),
+            },
+            Packet::Refuse { id, reason } => {
+                let refused = {
+                    let mut p = lock(&engine.proto);
                     p.push_lens.remove(&id);
-                }
-                r
-            };
-            match sources {
-                Ok(sources) => {
-                    // the WRITEs run beside this loop, as pulls do
-                    let op = Op::start(engine);
-                    let deliver = deliver.clone();
-                    tokio::spawn(async move {
-                        match op.engine.push(sources, &segments).await {
-                            Ok(()) => {
-                                op.engine.ctl(Ctl::PushDone(id));
-                            }
-                            Err(e) => op.fail(&deliver, e),
-                        }
-                    });
-                }
-                Err(v) => return Err(violation(v)),
-            }
-        }
-        Packet::PushDone { id } => {
-            let done = lock(&engine.proto).transfers.on_push_done(id);
-            match done {
-                Ok((head, bufs)) => {
-                    let payloads: Result<Vec<Payload>, RdmaError> =
-                        bufs.into_iter().map(Held::into_payload).collect();
-                    match payloads {
-                        Ok(p) => hand_on(engine, deliver, head.into_message(p)),
-                        Err(e) => return Err(to_io(e)),
+                    p.transfers.on_refuse(id)
+                };
+                match refused {
+                    Ok(bufs) => {
+                        drop(bufs);
+                        tracing::warn!("transport-rdma: peer refused transfer {id} (reason {reason}); message dropped");
                     }
+                    Err(v) => break Some(violation(v)),
                 }
-                Err(v) => return Err(violation(v)),
             }
+            Packet::PushRts { id, head } => {
+                // granting may wait for the fallback budget: beside this loop, like transfers
+                let op = Op::start(&engine);
+                let deliver = deliver.clone();
+                tokio::spawn(async move {
+                    let engine = &op.engine;
+                    match engine.grant(&head.lens).await {
+                        Ok((bufs, segments)) => {
+                            let begun = lock(&engine.proto)
+                                .transfers
+                                .begin_incoming(id, Incoming::Granted { head, bufs });
+                            match begun {
+                                Ok(()) => {
+                                    let _ = engine.ctl_tx.send(Ctl::Cts(id, segments));
+                                }
+                                Err(v) => {
+                                    deliver.error(violation(v));
+                                    engine.shutdown();
+                                }
+                            }
+                        }
+                        Err(e) => {
+                            tracing::warn!(
+                                "transport-rdma: no buffers for the peer's push {id}: {e}"
+                            );
+                            engine.release();
+                            let _ = engine.ctl_tx.send(Ctl::Refuse(id, refuse::NO_BUFFERS));
+                        }
+                    }
+                });
+            }
+            Packet::Cts { id, segments } => {
+                let sources = {
+                    let mut p = lock(&engine.proto);
+                    let lens = p.push_lens.get(&id).cloned().unwrap_or_default();
+                    let r = p.transfers.on_cts(id, &segments, lens.into_iter());
+                    if r.is_ok() {
+                        p.push_lens.remove(&id);
+                    }
+                    r
+                };
+                match sources {
+                    Ok(sources) => {
+                        // the WRITEs run beside this loop, as pulls do
+                        let op = Op::start(&engine);
+                        let deliver = deliver.clone();
+                        tokio::spawn(async move {
+                            match op.engine.push(sources, &segments).await {
+                                Ok(()) => {
+                                    let _ = op.engine.ctl_tx.send(Ctl::PushDone(id));
+                                }
+                                Err(e) => op.fail(&deliver, e),
+                            }
+                        });
+                    }
+                    Err(v) => break Some(violation(v)),
+                }
+            }
+            Packet::PushDone { id } => {
+                let done = lock(&engine.proto).transfers.on_push_done(id);
+                match done {
+                    Ok((head, bufs)) => {
+                        let payloads: Result<Vec<Payload>, RdmaError> =
+                            bufs.into_iter().map(Held::into_payload).collect();
+                        match payloads {
+                            Ok(p) => hand_on(head.into_message(p)),
+                            Err(e) => break Some(to_io(e)),
+                        }
+                    }
+                    Err(v) => break Some(violation(v)),
+                }
+            }
+            Packet::Credit => {}
         }
-        Packet::Credit => {}
+    };
+    if let Some(e) = end {
+        tracing::debug!("transport-rdma: connection ends: {e}");
+        deliver.error(e);
     }
-    Ok(())
+    engine.shutdown();
+    // the connection is closed (QP in the error state): the device no longer reads our
+    // exposed buffers, so they may go
+    drop(lock(&engine.proto).transfers.drain());
 }
 
 /// Sends messages from the writer and control packets from the receive loop. After a drain
 /// request it closes the connection once the writer's messages are sent and the peer has read
 /// every exposed buffer (or after `DRAIN_LIMIT`).
-///
-/// The writer posts small messages itself when nothing is queued here ahead of them (see
-/// [`RdmaWriter`]); SENDs posted either way are tracked in `Engine::inflight`.
 async fn send_loop(
     engine: Arc<Engine>,
-    mut msgs: fmpsc::Receiver<Vec<Message>>,
+    mut msgs: fmpsc::Receiver<Message>,
     mut ctl: mpsc::UnboundedReceiver<Ctl>,
 ) {
     let mut msgs_open = true;
     let mut drain_deadline: Option<tokio::time::Instant> = None;
-    // messages taken from the writer and not yet sent, in order
-    let mut queue: VecDeque<Message> = VecDeque::new();
+    // SENDs posted and not yet completed: several in flight (they arrive in posting order);
+    // at most `send_slots`, so posting never waits for a slot that only this loop frees
+    let mut pending = futures::stream::FuturesUnordered::new();
+    let max_pending = engine.conn.send_slots().max(1);
+    // a message taken from the writer that did not fit the batch before it: sent next
+    let mut carry: Option<Message> = None;
     loop {
-        if engine.reap().is_err() {
-            return;
-        }
-        if drain_deadline.is_some() && !msgs_open && queue.is_empty() && ctl.is_empty() && {
-            let p = lock(&engine.proto);
-            p.transfers.is_empty() && p.ops == 0
-        } {
-            // the last SENDs complete first, unless the connection is already gone (then the
-            // device sends nothing more) or the drain takes too long (a SEND to a dead peer
-            // completes only when its retries run out)
-            let deadline = drain_deadline.unwrap_or_else(tokio::time::Instant::now);
-            loop {
-                if engine.conn.is_closed() {
-                    break;
-                }
-                let front = engine
-                    .inflight
-                    .lock()
-                    .unwrap_or_else(|p| p.into_inner())
-                    .pop_front();
-                let Some(c) = front else { break };
-                match tokio::time::timeout_at(deadline, c.wait()).await {
-                    Ok(Ok(())) => {}
-                    Ok(Err(e)) => {
-                        tracing::debug!("transport-rdma: send failed, closing the connection: {e}");
-                        break;
-                    }
-                    Err(_) => {
-                        tracing::debug!(
-                            "transport-rdma: drain took longer than {DRAIN_LIMIT:?}; closing"
-                        );
-                        break;
-                    }
-                }
+        while pending.len() >= max_pending {
+            if let Some(Err(e)) = pending.next().await {
+                tracing::debug!("transport-rdma: send failed, closing the connection: {e}");
+                engine.shutdown();
+                return;
             }
+        }
+        if drain_deadline.is_some()
+            && !msgs_open
+            && carry.is_none()
+            && ctl.is_empty()
+            && pending.is_empty()
+            && {
+                let p = lock(&engine.proto);
+                p.transfers.is_empty() && p.ops == 0
+            }
+        {
             engine.shutdown();
             return;
         }
@@ -1537,27 +1197,25 @@ async fn send_loop(
             Msg(Message),
         }
         let deadline = drain_deadline.unwrap_or_else(tokio::time::Instant::now);
-        let item = if !queue.is_empty() {
-            // control packets first, as below
-            match ctl.try_recv() {
-                Ok(c) => Item::Ctl(c),
-                Err(_) => match queue.pop_front() {
-                    Some(m) => Item::Msg(m),
-                    None => continue,
-                },
-            }
+        let item = if let Some(m) = carry.take() {
+            Item::Msg(m)
         } else {
             tokio::select! {
             biased;
+            Some(done) = pending.next(), if !pending.is_empty() => {
+                if let Err(e) = done {
+                    tracing::debug!("transport-rdma: send failed, closing the connection: {e}");
+                    engine.shutdown();
+                    return;
+                }
+                continue;
+            },
             c = ctl.recv() => match c {
                 Some(c) => Item::Ctl(c),
                 None => return,
             },
             m = msgs.next(), if msgs_open => match m {
-                Some(v) => {
-                    queue.extend(v);
-                    continue;
-                }
+                Some(m) => Item::Msg(m),
                 None => {
                     msgs_open = false;
                     continue;
@@ -1570,69 +1228,49 @@ async fn send_loop(
             },
             }
         };
-        // what the item posted, for the counts of what is ahead of the writer
-        let mut sent_msgs = 0;
-        let counted = matches!(&item, Item::Ctl(c) if c.counted());
         let res = match item {
             Item::Ctl(Ctl::Shutdown) => return,
             Item::Ctl(Ctl::Drain) => {
                 drain_deadline = Some(tokio::time::Instant::now() + DRAIN_LIMIT);
-                None
+                continue;
             }
-            Item::Ctl(Ctl::Recheck) => None,
-            Item::Ctl(Ctl::Late(late)) => {
-                // the writer is gone: everything it queued goes before these
-                loop {
-                    match msgs.try_recv() {
-                        Ok(v) => queue.extend(v),
-                        Err(e) => {
-                            msgs_open &= !e.is_closed();
-                            break;
-                        }
-                    }
-                }
-                queue.extend(late);
-                None
-            }
+            Item::Ctl(Ctl::Recheck) => continue,
             Item::Ctl(Ctl::Credit) => {
                 if !lock(&engine.proto).credits.should_return() {
-                    None
-                } else {
-                    Some(
-                        engine
-                            .send_packet(false, |out, c| {
-                                Packet::encode_control(out, c, &Packet::Credit)
-                            })
-                            .await,
-                    )
+                    continue;
                 }
+                engine
+                    .send_packet(false, |out, c| {
+                        Packet::encode_control(out, c, &Packet::Credit)
+                    })
+                    .await
             }
-            Item::Ctl(Ctl::Fin(id)) => Some(
+            Item::Ctl(Ctl::Fin(id)) => {
                 engine
                     .send_packet(true, |out, c| {
                         Packet::encode_control(out, c, &Packet::Fin { id })
                     })
-                    .await,
-            ),
-            Item::Ctl(Ctl::Cts(id, segments)) => Some(
+                    .await
+            }
+            Item::Ctl(Ctl::Cts(id, segments)) => {
                 engine
                     .send_packet(true, |out, c| Packet::encode_cts(out, c, id, &segments))
-                    .await,
-            ),
-            Item::Ctl(Ctl::PushDone(id)) => Some(
+                    .await
+            }
+            Item::Ctl(Ctl::PushDone(id)) => {
                 engine
                     .send_packet(true, |out, c| {
                         Packet::encode_control(out, c, &Packet::PushDone { id })
                     })
-                    .await,
-            ),
-            Item::Ctl(Ctl::Refuse(id, reason)) => Some(
+                    .await
+            }
+            Item::Ctl(Ctl::Refuse(id, reason)) => {
                 engine
                     .send_packet(true, |out, c| {
                         Packet::encode_control(out, c, &Packet::Refuse { id, reason })
                     })
-                    .await,
-            ),
+                    .await
+            }
             Item::Msg(m) if engine.is_eager(&m) => {
                 // Small messages the writer has ready go in one SEND: one work request, one
                 // receive slot and one completion on each side for all of them.
@@ -1640,52 +1278,33 @@ async fn send_loop(
                 let mut frames = m.wire_len();
                 let mut first = Some(m);
                 while batch.len() < MAX_BATCH {
-                    if queue.is_empty() {
-                        match msgs.try_recv() {
-                            Ok(v) => queue.extend(v),
-                            Err(e) => {
-                                msgs_open &= !e.is_closed();
-                                break;
-                            }
+                    let next = match msgs.try_recv() {
+                        Ok(next) => next,
+                        Err(e) => {
+                            msgs_open &= !e.is_closed();
+                            break;
                         }
-                    }
-                    let Some(next) = queue.front() else { break };
+                    };
                     let fits = Packet::batch_len(frames + next.wire_len()) <= engine.slot as u64;
-                    if !(fits && engine.is_eager(next)) {
+                    if !(fits && engine.is_eager(&next)) {
+                        carry = Some(next);
                         break;
                     }
                     frames += next.wire_len();
                     // the first companion found: only now is there a batch to allocate
                     batch.extend(first.take());
-                    batch.extend(queue.pop_front());
+                    batch.push(next);
                 }
-                Some(match first {
-                    Some(alone) => {
-                        sent_msgs = 1;
-                        engine.send_message(alone).await
-                    }
-                    None => {
-                        sent_msgs = batch.len();
-                        engine.send_batch(&batch).await
-                    }
-                })
+                match first {
+                    Some(alone) => engine.send_message(alone).await,
+                    None => engine.send_batch(&batch).await,
+                }
             }
-            Item::Msg(m) => {
-                sent_msgs = 1;
-                Some(engine.send_message(m).await)
-            }
+            Item::Msg(m) => engine.send_message(m).await,
         };
-        // posted (or failed): no longer ahead of the writer
-        if sent_msgs > 0 {
-            engine.msgs_ahead.fetch_sub(sent_msgs, Ordering::SeqCst);
-        }
-        if counted {
-            engine.ctl_ahead.fetch_sub(1, Ordering::SeqCst);
-        }
         match res {
-            None => {}
-            Some(Ok(done)) => engine.track(done),
-            Some(Err(e)) => {
+            Ok(done) => pending.push(done.wait()),
+            Err(e) => {
                 tracing::debug!("transport-rdma: send failed, closing the connection: {e}");
                 engine.shutdown();
                 return;
