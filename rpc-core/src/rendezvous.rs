@@ -212,6 +212,9 @@ const T_CREDIT: u8 = 7;
 const T_REFUSE: u8 = 8;
 const T_EAGER_BATCH: u8 = 9;
 
+/// Header flag: the sender was blocked on send credits (see [`Packet::mark_starved`]).
+const FLAG_STARVED: u8 = 1;
+
 fn put_header(out: &mut BytesMut, ty: u8, credits: u16, n: u32, id: u64) {
     out.put_u8(ty);
     out.put_u8(0);
@@ -299,6 +302,21 @@ impl Packet {
             _ => panic!("encode_control takes Fin, PushDone, Credit or Refuse"),
         };
         put_header(out, ty, credits, 0, id);
+    }
+
+    /// Marks an encoded packet (`out`, from one of the `encode_*` functions) as sent by a peer
+    /// that has been blocked on send credits since its previous packet: a receiver that sizes
+    /// its window at run time widens it ([`Credits::grow`]).
+    pub fn mark_starved(out: &mut [u8]) {
+        if let Some(flags) = out.get_mut(1) {
+            *flags |= FLAG_STARVED;
+        }
+    }
+
+    /// Whether a received packet carries [`Packet::mark_starved`]'s mark (unchecked: a
+    /// malformed packet is refused by [`Packet::parse`]).
+    pub fn is_starved(slot: &[u8]) -> bool {
+        slot.get(1).is_some_and(|f| f & FLAG_STARVED != 0)
     }
 
     /// Parses a received slot. Returns the packet and the credits it returns. Nothing in
@@ -561,18 +579,46 @@ pub struct Credits {
     owed: u32,
     /// received, not yet consumed: neither usable by the peer nor owed to it
     held: u32,
-    slots: u32,
+    /// our receive window: the slots the peer may fill (usable by it, in flight, held, owed)
+    window: u32,
+    /// the most credits the peer may ever have given us (its largest window)
+    peer_max: u32,
 }
 
+/// The window each side may assume of its peer at the start of a connection
+/// ([`Credits::starting`]); the rest of a window is granted by the first packet.
+pub const START_WINDOW: u32 = 2;
+
 impl Credits {
-    /// Both sides post `slots` receive slots at start-up.
+    /// Both sides post `slots` receive slots at start-up, and each knows the other has them.
     pub fn new(slots: u32) -> Credits {
         assert!(slots >= 2, "at least two receive slots");
         Credits {
             available: slots,
             owed: 0,
             held: 0,
-            slots,
+            window: slots,
+            peer_max: slots,
+        }
+    }
+
+    /// The start of a connection whose windows are granted, not assumed: we may send
+    /// [`START_WINDOW`] packets, and owe the peer the rest of our `window` (the first packet we
+    /// send grants it). The peer's window never grows past `peer_max`.
+    ///
+    /// This lets a receiver size its window at run time: a server whose connections share one
+    /// receive queue grants each what its [`RecvBudget`] allows.
+    pub fn starting(window: u32, peer_max: u32) -> Credits {
+        assert!(
+            window >= START_WINDOW && peer_max >= START_WINDOW,
+            "at least {START_WINDOW} receive slots"
+        );
+        Credits {
+            available: START_WINDOW,
+            owed: window - START_WINDOW,
+            held: 0,
+            window,
+            peer_max,
         }
     }
 
@@ -584,7 +630,7 @@ impl Credits {
     /// Whether a pure credit return should be sent now: we owe at least half the window and
     /// have the reserved credit for it.
     pub fn should_return(&self) -> bool {
-        self.owed >= (self.slots / 2).max(1) && self.available >= 1
+        self.owed >= (self.window / 2).max(1) && self.available >= 1
     }
 
     /// Takes one credit for a packet and the owed credits to piggyback on it.
@@ -603,11 +649,11 @@ impl Credits {
     pub fn on_receive(&mut self, credits: u16) -> Result<(), ProtocolViolation> {
         // Every slot is held or already owed back: the peer sent with no credit, so this
         // packet landed in no slot it was allowed to use.
-        if self.owed + self.held >= self.slots {
+        if self.owed + self.held >= self.window {
             return Err(ProtocolViolation::NoCredit);
         }
         let available = self.available + credits as u32;
-        if available > self.slots {
+        if available > self.peer_max {
             return Err(ProtocolViolation::NoCredit);
         }
         self.available = available;
@@ -620,7 +666,24 @@ impl Credits {
         debug_assert!(self.held > 0, "more packets consumed than received");
         self.held = self.held.saturating_sub(1);
         self.owed += 1;
-        debug_assert!(self.owed <= self.slots);
+        debug_assert!(self.owed <= self.window);
+    }
+
+    /// Widens our window by `n` slots (granted with the next packet).
+    pub fn grow(&mut self, n: u32) {
+        self.window += n;
+        self.owed += n;
+    }
+
+    /// Narrows our window by up to `n` slots that are owed and not yet returned, never below
+    /// [`START_WINDOW`]; returns by how many (those slots are no longer the peer's).
+    pub fn shrink(&mut self, n: u32) -> u32 {
+        let k = n
+            .min(self.owed)
+            .min(self.window.saturating_sub(START_WINDOW));
+        self.owed -= k;
+        self.window -= k;
+        k
     }
 
     /// Packets received and not yet consumed.
@@ -636,6 +699,87 @@ impl Credits {
     /// Credits owed to the peer.
     pub fn owed(&self) -> u32 {
         self.owed
+    }
+
+    /// Our receive window now.
+    pub fn window(&self) -> u32 {
+        self.window
+    }
+}
+
+/// Receive slots shared by many connections (a shared receive queue): the windows granted to
+/// all of them together never exceed the slots posted, so no sender ever finds the queue empty
+/// (on iWARP that would end its connection; on InfiniBand/RoCE it would stall in RNR retries).
+///
+/// Each connection holds [`START_WINDOW`] slots for its whole life (so it always makes
+/// progress: [`RecvBudget::try_take`] at admission) and borrows more while it is busy
+/// ([`RecvBudget::take_up_to`]); it gives slots back when the budget runs low and when it ends
+/// ([`RecvBudget::give`]).
+#[derive(Debug)]
+pub struct RecvBudget {
+    total: u32,
+    free: std::sync::atomic::AtomicU32,
+}
+
+impl RecvBudget {
+    /// A budget of `total` posted slots, all free.
+    pub fn new(total: u32) -> RecvBudget {
+        RecvBudget {
+            total,
+            free: std::sync::atomic::AtomicU32::new(total),
+        }
+    }
+
+    /// The slots the budget was made with.
+    pub fn total(&self) -> u32 {
+        self.total
+    }
+
+    /// Slots not granted to any connection now.
+    pub fn free(&self) -> u32 {
+        self.free.load(std::sync::atomic::Ordering::Acquire)
+    }
+
+    /// The free slots that borrowing leaves alone (an eighth of the total, at least what
+    /// admitting one connection takes), so that a new connection finds its start window.
+    pub fn low_mark(&self) -> u32 {
+        (self.total / 8).max(START_WINDOW)
+    }
+
+    /// Whether the free slots are below [`RecvBudget::low_mark`]: connections should then give
+    /// back what they do not need.
+    pub fn is_low(&self) -> bool {
+        self.free() < self.low_mark()
+    }
+
+    /// Takes `n` slots if that many are free (all or none): a connection's admission.
+    pub fn try_take(&self, n: u32) -> bool {
+        use std::sync::atomic::Ordering;
+        self.free
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |f| f.checked_sub(n))
+            .is_ok()
+    }
+
+    /// Lends up to `n` slots to a busy connection, leaving [`RecvBudget::low_mark`] free;
+    /// returns how many.
+    pub fn take_up_to(&self, n: u32) -> u32 {
+        use std::sync::atomic::Ordering;
+        let keep = self.low_mark();
+        match self
+            .free
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |f| {
+                let k = f.saturating_sub(keep).min(n);
+                (k > 0).then(|| f - k)
+            }) {
+            Ok(before) => before.saturating_sub(keep).min(n),
+            Err(_) => 0,
+        }
+    }
+
+    /// Gives `n` slots back.
+    pub fn give(&self, n: u32) {
+        let before = self.free.fetch_add(n, std::sync::atomic::Ordering::AcqRel);
+        debug_assert!(before + n <= self.total, "more slots given back than taken");
     }
 }
 

@@ -707,3 +707,111 @@ mod props {
         }
     }
 }
+
+/// A connection that grants its window (`Credits::starting`) may be sent only the start window
+/// until its grant arrives, and the grant is owed at once.
+#[test]
+fn a_granted_window_starts_at_two() {
+    let mut me = Credits::starting(8, 8);
+    assert_eq!(me.available(), START_WINDOW);
+    assert_eq!(
+        me.owed(),
+        6,
+        "the rest of the window is owed to the peer at once"
+    );
+    assert!(me.should_return());
+    // the peer may send two packets before our grant reaches it, not three
+    me.on_receive(0).unwrap();
+    me.on_receive(0).unwrap();
+    assert_eq!(me.on_receive(0), Err(ProtocolViolation::NoCredit));
+    // the peer's own grant may take our credits up to its largest window, not past it
+    let mut other = Credits::starting(4, 4);
+    other.on_receive(2).unwrap();
+    assert_eq!(other.available(), 4);
+    assert_eq!(other.on_receive(1), Err(ProtocolViolation::NoCredit));
+}
+
+/// Growing a window lets the peer send more; shrinking takes back only owed slots and never
+/// goes below the start window.
+#[test]
+fn windows_grow_and_shrink_within_bounds() {
+    let mut me = Credits::starting(START_WINDOW, 32);
+    assert_eq!(me.owed(), 0);
+    me.grow(4);
+    assert_eq!((me.window(), me.owed()), (6, 4));
+    // nothing is owed that has not been returned: all 4 can be taken back
+    assert_eq!(me.shrink(10), 4);
+    assert_eq!((me.window(), me.owed()), (2, 0));
+    assert_eq!(me.shrink(1), 0, "never below the start window");
+    me.grow(2);
+    assert_eq!(me.take(), Some(2));
+    // returned credits belong to the peer: shrinking waits for them to come back as owed
+    assert_eq!(me.shrink(2), 0);
+    for _ in 0..2 {
+        me.on_receive(0).unwrap();
+        me.on_slot_reposted();
+    }
+    assert_eq!(me.shrink(2), 2);
+    assert_eq!(me.window(), 2);
+}
+
+proptest::proptest! {
+    /// Connections of one shared receive queue, each admitted with the start window and
+    /// borrowing, giving back and ending at random: the windows together never exceed the
+    /// budget, every window stays at least the start window, and the budget is whole again
+    /// once every connection ended.
+    #[test]
+    fn shared_windows_never_exceed_the_budget(
+        total in 2u32..64,
+        ops in proptest::collection::vec((0u8..4, 0usize..8, 0u32..6), 0..200),
+    ) {
+        let budget = RecvBudget::new(total);
+        let mut conns: Vec<Credits> = Vec::new();
+        for (op, i, n) in ops {
+            match op {
+                0 if budget.try_take(START_WINDOW) => {
+                    conns.push(Credits::starting(START_WINDOW, 32));
+                }
+                1 if !conns.is_empty() => {
+                    let at = i % conns.len();
+                    let c = &mut conns[at];
+                    let got = budget.take_up_to(n);
+                    c.grow(got);
+                }
+                2 if !conns.is_empty() => {
+                    let at = i % conns.len();
+                    let c = &mut conns[at];
+                    let k = c.shrink(n);
+                    budget.give(k);
+                }
+                3 if !conns.is_empty() => {
+                    let c = conns.swap_remove(i % conns.len());
+                    budget.give(c.window());
+                }
+                _ => {}
+            }
+            let granted: u32 = conns.iter().map(Credits::window).sum();
+            proptest::prop_assert_eq!(granted + budget.free(), total);
+            proptest::prop_assert!(conns.iter().all(|c| c.window() >= START_WINDOW));
+        }
+        for c in conns.drain(..) {
+            budget.give(c.window());
+        }
+        proptest::prop_assert_eq!(budget.free(), total);
+    }
+}
+
+#[test]
+fn a_budget_lends_what_it_has() {
+    let b = RecvBudget::new(6);
+    assert_eq!(b.low_mark(), START_WINDOW);
+    assert!(b.try_take(2));
+    assert!(!b.try_take(5), "all or nothing");
+    assert_eq!(b.take_up_to(10), 2, "lending leaves the low mark free");
+    assert_eq!(b.take_up_to(1), 0);
+    assert!(!b.is_low());
+    assert!(b.try_take(2), "room for one more connection is kept");
+    assert!(b.is_low());
+    b.give(6);
+    assert_eq!(b.free(), 6);
+}
