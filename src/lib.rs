@@ -392,8 +392,9 @@ fn connect_error(endpoint: &Endpoint, e: std::io::Error) -> RpcError {
 
 enum AnyListener {
     Tcp(TcpListener),
+    // boxed: the RDMA listener is twice the TCP one's size
     #[cfg(feature = "rdma")]
-    Rdma(rdma::Listener),
+    Rdma(Box<rdma::Listener>),
 }
 
 /// A bound server socket, ready to [`serve`](Server::serve) a service.
@@ -489,7 +490,7 @@ impl Server {
             }
             #[cfg(feature = "rdma")]
             AnyListener::Rdma(l) => {
-                rpc_core::server::serve(l, service, self.config, self.shutdown, self.stats).await
+                rpc_core::server::serve(*l, service, self.config, self.shutdown, self.stats).await
             }
         }
         Ok(())
@@ -550,7 +551,7 @@ mod rdma {
             .await
             .map_err(|e| rdma_error(endpoint, e))?;
         let port = l.local_addr().port();
-        Ok((AnyListener::Rdma(l), endpoint.with_port(port)))
+        Ok((AnyListener::Rdma(Box::new(l)), endpoint.with_port(port)))
     }
 
     #[cfg(not(feature = "rdma"))]

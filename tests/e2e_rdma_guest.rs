@@ -30,6 +30,21 @@ mod push {
     transport_suite!(ep_push);
 }
 
+/// The same suite against servers whose connections share one receive queue
+/// (`srq_slots`, see transport-rdma's docs): windows lent from one queue of 256 slots.
+mod srq {
+    use super::suite;
+    use crate::transport_suite;
+    use rdma_rpc::Endpoint;
+
+    fn ep_srq() -> Endpoint {
+        let ep = super::ep().to_string();
+        format!("{ep}&srq_slots=256").parse().unwrap()
+    }
+
+    transport_suite!(ep_srq);
+}
+
 /// The facade's pool counters on the client side ([`rdma_rpc::Client::rdma_pools`]): they
 /// follow the client across a reconnection, and once the client is dropped and its server gone,
 /// every buffer of both connections is back and every region freed.

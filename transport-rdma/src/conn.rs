@@ -3,6 +3,7 @@
 
 use std::collections::HashMap;
 use std::net::SocketAddr;
+use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -15,10 +16,11 @@ use crate::error::RdmaError;
 use crate::pool::PoolMonitor;
 use crate::verbs::{
     self, CmEvent, CmEventKind, CmId, CmQpState, Cq, Mem, PoolAccess, PoolBuf, PoolRegion, Qp,
-    QpCaps, Region, RemoteAddr, Transport, Wc, WrKind,
+    QpCaps, Region, RemoteAddr, Srq, Transport, Wc, WrKind,
 };
 use crate::{RdmaOptions, TransportKind};
 use rpc_core::pool::{Pool, SizeClass};
+use rpc_core::rendezvous::{RecvBudget, START_WINDOW};
 
 /// What a waiter of a work request gets: the result, and the pool buffer the request used
 /// (`None` if it used none, or if the connection failed before the completion arrived: the
@@ -97,6 +99,164 @@ struct Shared {
     /// the layout of each rendezvous region
     pool_classes: Vec<SizeClass>,
     monitor: PoolMonitor,
+    /// the connection's part of its listener's shared receive queue, if it uses one (last:
+    /// its window goes back to the budget once the QP is gone)
+    srq_share: Option<SrqShare>,
+}
+
+/// One device's shared receive queue of a listener: the SRQ, the slots posted to it (a third
+/// more in the region, so that messages handed out without a copy do not starve it), and the
+/// budget of the windows granted against those slots.
+pub(crate) struct SharedRecv {
+    srq: Arc<Srq>,
+    slots: Arc<PoolRegion>,
+    slot_size: usize,
+    budget: RecvBudget,
+}
+
+impl SharedRecv {
+    /// Posts `buf` (a slot of this queue) again; a failure is logged: the queue has one slot
+    /// fewer than its budget from then on, which the budget absorbs by keeping it taken.
+    fn repost(&self, buf: PoolBuf) {
+        if let Err((e, _)) = self.srq.post_recv_pool(buf) {
+            tracing::error!("transport-rdma: re-posting to the shared receive queue: {e}");
+            // keep the lost slot out of every window (if none is free now, the windows shrink
+            // as connections give slots back, and the loss is at least counted in the log)
+            let _ = self.budget.try_take(1);
+        }
+    }
+}
+
+/// A listener's shared receive queues, one per device, each made on the first connection to
+/// arrive on that device.
+#[derive(Default)]
+pub(crate) struct SharedRecvs(Mutex<HashMap<String, Arc<SharedRecv>>>);
+
+impl SharedRecvs {
+    fn for_device(
+        &self,
+        id: &CmId,
+        opts: &RdmaOptions,
+        monitor: &PoolMonitor,
+    ) -> Result<Arc<SharedRecv>, RdmaError> {
+        let name = id.device_name()?;
+        let mut map = lock(&self.0);
+        if let Some(recv) = map.get(&name) {
+            return Ok(Arc::clone(recv));
+        }
+        let device = id.device()?;
+        let total = opts.srq_slots.max(START_WINDOW as usize);
+        let slot_size = opts.slot_size.max(64);
+        let srq = Srq::new(&device, total as u32)?;
+        let slots = PoolRegion::new(
+            &device,
+            layout(&[SizeClass {
+                size: slot_size,
+                count: total + total.div_ceil(3),
+            }])?,
+            PoolAccess::Local,
+        )?;
+        monitor.track(&slots);
+        for _ in 0..total {
+            let buf = PoolRegion::lease(&slots, slot_size)
+                .ok_or_else(|| RdmaError::InvalidArgument("receive slot pool too small".into()))?;
+            srq.post_recv_pool(buf).map_err(|(e, _)| e)?;
+        }
+        tracing::debug!(
+            "transport-rdma: shared receive queue on {name}: {total} slots of {slot_size} bytes"
+        );
+        let recv = Arc::new(SharedRecv {
+            srq,
+            slots,
+            slot_size,
+            budget: RecvBudget::new(total as u32),
+        });
+        map.insert(name, Arc::clone(&recv));
+        Ok(recv)
+    }
+}
+
+/// A connection's part of a shared receive queue: the slots of the budget its window holds,
+/// given back when the connection ends.
+pub(crate) struct SrqShare {
+    recv: Arc<SharedRecv>,
+    held: AtomicU32,
+}
+
+impl SrqShare {
+    /// Borrows up to `n` more slots for the connection's window; returns how many.
+    pub(crate) fn borrow(&self, n: u32) -> u32 {
+        let got = self.recv.budget.take_up_to(n);
+        self.held.fetch_add(got, Ordering::AcqRel);
+        got
+    }
+
+    /// Gives `n` slots of the window back.
+    pub(crate) fn give_back(&self, n: u32) {
+        if n > 0 {
+            self.held.fetch_sub(n, Ordering::AcqRel);
+            self.recv.budget.give(n);
+        }
+    }
+
+    /// Whether the shared budget runs low (windows should shrink).
+    pub(crate) fn budget_low(&self) -> bool {
+        self.recv.budget.is_low()
+    }
+}
+
+impl Drop for SrqShare {
+    fn drop(&mut self) {
+        self.recv.budget.give(*self.held.get_mut());
+    }
+}
+
+/// Watches a listener's shared receive queues ([`RdmaListener::shared_receive_monitor`]).
+#[derive(Clone)]
+pub struct SharedReceiveMonitor(Arc<SharedRecvs>);
+
+impl std::fmt::Debug for SharedReceiveMonitor {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_tuple("SharedReceiveMonitor")
+            .field(&self.stats())
+            .finish()
+    }
+}
+
+impl SharedReceiveMonitor {
+    /// The state of the shared receive queue of each device that a connection arrived on so
+    /// far, by device name; empty if the listener has none.
+    pub fn stats(&self) -> Vec<(String, SharedReceiveStats)> {
+        let mut out: Vec<_> = lock(&(self.0).0)
+            .iter()
+            .map(|(name, r)| {
+                (
+                    name.clone(),
+                    SharedReceiveStats {
+                        slots: r.budget.total(),
+                        free: r.budget.free(),
+                        posted: r.srq.posted(),
+                        registered_bytes: r.slots.pool().region_len(),
+                    },
+                )
+            })
+            .collect();
+        out.sort_by(|a, b| a.0.cmp(&b.0));
+        out
+    }
+}
+
+/// What a listener's shared receive queue looks like now (see [`SharedReceiveMonitor`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct SharedReceiveStats {
+    /// slots of the queue
+    pub slots: u32,
+    /// slots not in any connection's window
+    pub free: u32,
+    /// receives posted to the queue now (equal to `slots` unless a re-post failed)
+    pub posted: usize,
+    /// bytes registered for the queue's slots
+    pub registered_bytes: usize,
 }
 
 /// What a rendezvous buffer is for, which decides the region it comes from (see
@@ -176,6 +336,8 @@ impl Shared {
 
 enum RecvEvent {
     Data(Mem, usize),
+    /// a message copied out of a shared-queue slot (no slot was free to post in its place)
+    Copied(bytes::Bytes),
     /// a receive failed; `flushed`: only because the QP went to the error state
     Failed {
         err: RdmaError,
@@ -215,13 +377,38 @@ impl std::fmt::Debug for RdmaConnection {
 struct Prepared {
     qp: Arc<Qp>,
     cq: Arc<Cq>,
-    recv_slots: Vec<u64>,
+    recv_slots: usize,
     slots: Arc<PoolRegion>,
     monitor: PoolMonitor,
+    srq_share: Option<SrqShare>,
 }
 
-fn prepare(id: &CmId, opts: &RdmaOptions, monitor: PoolMonitor) -> Result<Prepared, RdmaError> {
-    let device = id.device()?;
+fn prepare(
+    id: &CmId,
+    opts: &RdmaOptions,
+    monitor: PoolMonitor,
+    shared_recv: Option<&SharedRecvs>,
+) -> Result<Prepared, RdmaError> {
+    let srq_share = match shared_recv {
+        Some(recvs) if opts.srq_slots > 0 => {
+            let recv = recvs.for_device(id, opts, &monitor)?;
+            if !recv.budget.try_take(START_WINDOW) {
+                return Err(RdmaError::Connect(format!(
+                    "the shared receive queue's {} slots are all in use: connection refused",
+                    recv.budget.total()
+                )));
+            }
+            Some(SrqShare {
+                recv,
+                held: AtomicU32::new(START_WINDOW),
+            })
+        }
+        _ => None,
+    };
+    let device = match &srq_share {
+        Some(share) => Arc::clone(share.recv.srq.device()),
+        None => id.device()?,
+    };
     let recv_slots = opts.recv_slots.max(1);
     let send_slots = opts.send_slots.max(1);
     // room for the one-sided operations beside the send slots, twice over (see
@@ -238,8 +425,20 @@ fn prepare(id: &CmId, opts: &RdmaOptions, monitor: PoolMonitor) -> Result<Prepar
             max_send_wr,
             max_recv_wr: recv_slots as u32,
         },
+        srq_share.as_ref().map(|s| &s.recv.srq),
     )?;
     id.modify_qp(&qp, CmQpState::Init, false)?;
+    if let Some(share) = srq_share {
+        // the shared queue's receives are posted already
+        return Ok(Prepared {
+            qp,
+            cq,
+            recv_slots,
+            slots: Arc::clone(&share.recv.slots),
+            monitor,
+            srq_share: Some(share),
+        });
+    }
     // receives are posted before connect/accept: on iWARP a SEND that finds no receive kills
     // the connection
     // The receive slots: registered once, here, on this connection's own PD. Twice the receive
@@ -265,9 +464,10 @@ fn prepare(id: &CmId, opts: &RdmaOptions, monitor: PoolMonitor) -> Result<Prepar
     Ok(Prepared {
         qp,
         cq,
-        recv_slots: posted,
+        recv_slots: posted.len(),
         slots,
         monitor,
+        srq_share: None,
     })
 }
 
@@ -316,7 +516,7 @@ impl RdmaConnection {
         if ev.kind != CmEventKind::RouteResolved {
             return Err(unexpected(&ev, "route resolution"));
         }
-        let prepared = prepare(&id, &opts, monitor)?;
+        let prepared = prepare(&id, &opts, monitor, None)?;
         id.connect(&prepared.qp)?;
         let ev = next_cm_event(&mut rx, deadline, "the connection to be accepted").await?;
         match ev.kind {
@@ -347,6 +547,7 @@ impl RdmaConnection {
             recv_slots,
             slots,
             monitor,
+            srq_share,
         } = prepared;
         let device_name = qp.device().name().to_string();
         let transport = kind_of(qp.device().transport());
@@ -368,12 +569,17 @@ impl RdmaConnection {
             write_bufs: Mutex::new(None),
             pool_classes: opts.pool_classes.clone(),
             monitor,
+            srq_share,
         });
         let afd = verbs::async_fd(cq)?;
         tracing::debug!(
-            "transport-rdma: connected on {device_name} ({transport:?}), qp {}, {} receives posted",
+            "transport-rdma: connected on {device_name} ({transport:?}), qp {}, {}",
             shared.qp.qp_num(),
-            recv_slots.len()
+            if shared.srq_share.is_some() {
+                "receiving from the listener's shared receive queue".to_string()
+            } else {
+                format!("{recv_slots} receives posted")
+            }
         );
         let driver = tokio::spawn(drive(Arc::clone(&shared), afd, cm_rx));
         Ok(RdmaConnection {
@@ -383,10 +589,15 @@ impl RdmaConnection {
             driver,
             device_name,
             transport,
-            recv_slots: recv_slots.len(),
+            recv_slots,
             send_slots,
             _cm: cm,
         })
+    }
+
+    /// The connection's part of its listener's shared receive queue, if it has one.
+    pub(crate) fn srq_share(&self) -> Option<&SrqShare> {
+        self.shared.srq_share.as_ref()
     }
 
     /// The name of the RDMA device the connection runs on (e.g. `rxe0`, `siw0`).
@@ -611,13 +822,15 @@ impl RdmaConnection {
         };
         let Some(ev) = ev else { return Ok(None) };
         match ev {
+            RecvEvent::Copied(data) => Ok(Some(data)),
             RecvEvent::Data(Mem::Pool(mut buf), len) => {
                 if len > buf.len().max(self.shared.slot_size) {
                     return Err(RdmaError::InvalidArgument(
                         "completion longer than its slot".into(),
                     ));
                 }
-                if self.check_open().is_err() {
+                // a shared-queue slot was replaced when its completion was dispatched
+                if self.check_open().is_err() || self.shared.srq_share.is_some() {
                     buf.set_len(len);
                     return Ok(Some(bytes::Bytes::from_owner(buf.freeze())));
                 }
@@ -945,6 +1158,10 @@ fn dispatch(shared: &Shared, wcs: &[Wc]) {
             }
         }
         match wc.kind {
+            WrKind::Recv if shared.srq_share.is_some() => {
+                let recv = &shared.srq_share.as_ref().expect("checked").recv;
+                let _ = shared.recv_tx.send(srq_received(recv, wc, mem, op));
+            }
             WrKind::Recv => {
                 let ev = match (wc.ok(), mem) {
                     (true, Some(r)) => RecvEvent::Data(r, wc.byte_len as usize),
@@ -992,6 +1209,49 @@ fn dispatch(shared: &Shared, wcs: &[Wc]) {
     }
 }
 
+/// A receive of a shared queue completed: a slot goes back to the queue at once (a fresh one,
+/// or this one once its message is copied out), whoever consumes the message, so the queue
+/// always holds every slot of its budget.
+fn srq_received(recv: &SharedRecv, wc: &Wc, mem: Option<Mem>, op: &'static str) -> RecvEvent {
+    let mut buf = match mem {
+        Some(Mem::Pool(buf)) => buf,
+        other => {
+            drop(other);
+            return RecvEvent::Failed {
+                err: RdmaError::Completion {
+                    op,
+                    status: "completion for an unknown receive".into(),
+                },
+                flushed: false,
+            };
+        }
+    };
+    if !wc.ok() {
+        recv.repost(buf);
+        return RecvEvent::Failed {
+            err: RdmaError::Completion {
+                op,
+                status: wc.status_str(),
+            },
+            flushed: wc.is_flush(),
+        };
+    }
+    // (a slot's used length is whatever its previous message set: the completion's counts)
+    let len = wc.byte_len as usize;
+    buf.set_len(len);
+    match PoolRegion::lease(&recv.slots, recv.slot_size) {
+        Some(fresh) => {
+            recv.repost(fresh);
+            RecvEvent::Data(Mem::Pool(buf), len)
+        }
+        None => {
+            let data = bytes::Bytes::copy_from_slice(buf.bytes_mut());
+            recv.repost(buf);
+            RecvEvent::Copied(data)
+        }
+    }
+}
+
 fn fail_all(shared: &Shared, why: &str) {
     tracing::error!("transport-rdma: completion driver stopped: {why}");
     shared.close(why);
@@ -1029,6 +1289,7 @@ pub struct RdmaListener {
     opts: RdmaOptions,
     addr: SocketAddr,
     monitor: PoolMonitor,
+    shared_recv: Arc<SharedRecvs>,
 }
 
 impl std::fmt::Debug for RdmaListener {
@@ -1083,6 +1344,7 @@ impl RdmaListener {
                         opts,
                         addr: at,
                         monitor: PoolMonitor::default(),
+                        shared_recv: Arc::default(),
                     })
                 }
                 Err(e) => last = Some(e),
@@ -1099,6 +1361,11 @@ impl RdmaListener {
     /// The counters of the registered pools of every connection it accepted.
     pub fn pool_monitor(&self) -> PoolMonitor {
         self.monitor.clone()
+    }
+
+    /// The shared receive queues of its connections ([`RdmaOptions::srq_slots`]), to watch.
+    pub fn shared_receive_monitor(&self) -> SharedReceiveMonitor {
+        SharedReceiveMonitor(Arc::clone(&self.shared_recv))
     }
 
     /// Waits for the next connection request and accepts it
@@ -1130,6 +1397,7 @@ impl RdmaListener {
                 cm: Arc::clone(&self.cm),
                 opts: self.opts.clone(),
                 monitor: self.monitor.clone(),
+                shared_recv: Arc::clone(&self.shared_recv),
             });
         }
     }
@@ -1142,6 +1410,7 @@ pub struct PendingConnection {
     cm: Arc<CmDispatcher>,
     opts: RdmaOptions,
     monitor: PoolMonitor,
+    shared_recv: Arc<SharedRecvs>,
 }
 
 impl std::fmt::Debug for PendingConnection {
@@ -1165,9 +1434,10 @@ impl PendingConnection {
             cm,
             opts,
             monitor,
+            shared_recv,
         } = self;
         let deadline = Instant::now() + opts.connect_timeout;
-        let prepared = prepare(&id, &opts, monitor)?;
+        let prepared = prepare(&id, &opts, monitor, Some(&shared_recv))?;
         if prepared.qp.device().transport() != Transport::IWarp {
             // InfiniBand/RoCE: RTR and RTS before accepting; on iWARP the provider does it
             id.modify_qp(&prepared.qp, CmQpState::ReadyToReceive, true)?;

@@ -70,6 +70,40 @@
 //! are freed, and only once every buffer of them is back. [`PoolMonitor`] (from [`RdmaTransport::pool_monitor`],
 //! [`RdmaRpcListener::pool_monitor`], [`RdmaConnection::pool_monitor`]) counts leases, returns
 //! and live regions, so tests can prove every buffer came back.
+//!
+//! # Credits and windows
+//!
+//! A sender never SENDs into a receive queue that has no buffer posted for it (on iWARP that
+//! would end the connection; on InfiniBand/RoCE it would stall in RNR retries): each side
+//! grants the other a window of receive slots, and credits come back as slots are reposted
+//! ([`rpc_core::rendezvous::Credits`]). Windows are granted, not assumed: each side may send 2
+//! packets at first, and its first packet grants the peer the rest of its window.
+//!
+//! # Shared receive queue
+//!
+//! With [`RdmaOptions::srq_slots`] set, a listener's connections on one device receive from a
+//! single shared receive queue of that many slots, registered once, instead of posting
+//! `recv_slots` each: the server's receive memory does not grow with its connections (the
+//! `shared_receive_queue_many_connections` guest test holds 64 connections with the same
+//! registered memory as one). Slots are posted back to the queue as soon as a message is
+//! taken out (a fresh one, or the same one after a copy if handlers hold every spare), whoever
+//! reads the message, so the queue always holds every slot.
+//!
+//! The windows of all its connections together never exceed the queue
+//! ([`rpc_core::rendezvous::RecvBudget`]), so no SEND ever finds it empty, on iWARP too: a
+//! connection is admitted with a window of 2 (refused when 2 slots are not free), and a sender
+//! blocked on credits says so in its next packet, on which the server lends it half its window
+//! again (up to `recv_slots`) while more than an eighth of the queue stays free. When less
+//! is free, every connection gives back the slots it is owed back (never below 2) as it
+//! consumes packets. An idle connection holds 2 slots; a connection that was busy and fell
+//! silent keeps what it borrowed until it next sends.
+//!
+//! **What it costs.** A shared receive queue belongs to one protection domain, so its
+//! connections share one PD: the keys of their rendezvous regions are valid on any of those
+//! connections' QPs, and a peer that learns or guesses a key another connection was lent can
+//! use it, which the per-connection PD (the default) rules out (memory windows bound to one QP
+//! would restore it; siw has none). Use it where the peers are trusted to that degree, or where
+//! the number of connections matters more.
 #![deny(unsafe_code)]
 
 mod cm;
@@ -84,7 +118,7 @@ use std::time::Duration;
 
 pub use conn::{
     FrozenBuffer, PendingConnection, RdmaBuffer, RdmaConnection, RdmaListener, RemoteAccess,
-    RemoteExposure, RemoteToken, SendCompletion,
+    RemoteExposure, RemoteToken, SendCompletion, SharedReceiveMonitor, SharedReceiveStats,
 };
 pub use error::RdmaError;
 pub use pool::{PoolCounts, PoolMonitor};
@@ -180,6 +214,14 @@ pub struct RdmaOptions {
     /// `max_message_size` if below it, so that every message the config admits can be
     /// received.
     pub max_fallback_bytes: u64,
+    /// A listener's shared receive queue: if not 0, every connection the listener accepts on a
+    /// device receives from one queue of this many slots (per device), instead of posting
+    /// `recv_slots` of its own, so receive memory stays the same however many connections
+    /// there are. Each connection is guaranteed a window of 2 slots and borrows up to
+    /// `recv_slots` while it is busy; the listener refuses a connection when 2 slots are no
+    /// longer free. The connections then share one protection domain (see the crate docs,
+    /// "Shared receive queue", for what that costs). Ignored by `connect`.
+    pub srq_slots: usize,
 }
 
 impl Default for RdmaOptions {
@@ -194,6 +236,7 @@ impl Default for RdmaOptions {
             device: None,
             push_up_to: DEFAULT_PUSH_UP_TO,
             max_fallback_bytes: DEFAULT_MAX_FALLBACK_BYTES,
+            srq_slots: 0,
             // 15 MiB per connection
             pool_classes: vec![
                 SizeClass {

@@ -30,7 +30,9 @@
 //! - An accepted connection is answered in [`rpc_core::Transport::establish`], in the
 //!   connection's own task: a silent peer holds up no other.
 //!
-//! Both sides must use the same [`RdmaOptions::recv_slots`] and [`RdmaOptions::slot_size`].
+//! Both sides must use the same [`RdmaOptions::recv_slots`] and [`RdmaOptions::slot_size`]
+//! (each grants the other its window with its first packet; a listener with a shared receive
+//! queue grants less, and more on demand: see the crate docs).
 //!
 //! Not done yet: RDMA READs/WRITEs of one message in parallel, waiting for a pool buffer
 //! instead of registering one when the pool is exhausted, splitting attachments larger than
@@ -48,6 +50,7 @@ use futures::channel::mpsc as fmpsc;
 use futures::{SinkExt, Stream, StreamExt};
 use rpc_core::rendezvous::{
     refuse, Credits, Direction, Incoming, Packet, Plan, Segment, Transfers, PACKET_HEADER_LEN,
+    START_WINDOW,
 };
 use rpc_core::wire::{Limits, Message};
 use rpc_core::{Config, Payload};
@@ -83,7 +86,8 @@ fn effective(opts: &RdmaOptions, config: &Config) -> RdmaOptions {
 impl RdmaOptions {
     /// The defaults with an `rdma://` endpoint's transport options applied: `device=NAME`,
     /// `busy_poll=0|1` (off, or the default spin), `busy_poll_us=N`, `recv_slots=N`,
-    /// `slot_size=N` (both sides must agree on these two), `push_up_to=N` or
+    /// `slot_size=N` (both sides must agree on these two), `srq_slots=N` (a server's shared
+    /// receive queue), `push_up_to=N` or
     /// `rendezvous=pull|push` (see [`RdmaOptions::push_up_to`]), `max_fallback_bytes=N`.
     /// Other options are ignored.
     pub fn from_endpoint(ep: &rpc_core::Endpoint) -> Result<RdmaOptions, RdmaError> {
@@ -121,6 +125,7 @@ impl RdmaOptions {
                     }
                 }
                 "slot_size" => o.slot_size = num(k, v)? as usize,
+                "srq_slots" => o.srq_slots = num(k, v)? as usize,
                 _ => {}
             }
         }
@@ -268,6 +273,13 @@ impl rpc_core::Transport for RdmaTransport {
             }
         };
         let slots = conn.recv_slots() as u32;
+        // Windows are granted, not assumed (see `Credits::starting`): a connection of a shared
+        // receive queue starts with the 2 slots it holds and borrows more while busy; any
+        // other grants all its slots with its first packet.
+        let credits = match conn.srq_share() {
+            Some(_) => Credits::starting(START_WINDOW, slots),
+            None => Credits::starting(slots, slots),
+        };
         // every message the config admits must fit (each of its buffers rounded up to a unit)
         let inbound_units = units(self.max_fallback_bytes)
             .max(units(self.config.max_message_size) + u64::from(self.config.max_attachments));
@@ -277,10 +289,11 @@ impl rpc_core::Transport for RdmaTransport {
             pool: conn.pool_monitor(),
             conn,
             proto: Mutex::new(Proto {
-                credits: Credits::new(slots),
+                credits,
                 transfers: Transfers::new(),
                 push_lens: HashMap::new(),
                 ops: 0,
+                starved: false,
             }),
             credit_changed: Notify::new(),
             ctl_tx,
@@ -291,6 +304,7 @@ impl rpc_core::Transport for RdmaTransport {
                 usize::try_from(inbound_units).unwrap_or(Semaphore::MAX_PERMITS),
             )),
             inbound_units,
+            max_window: slots,
         });
         let (msg_tx, msg_rx) = fmpsc::channel(64);
         // Unbounded, yet at most `slots` messages: a delivered message holds its slot's credit
@@ -298,6 +312,8 @@ impl rpc_core::Transport for RdmaTransport {
         let (in_tx, in_rx) = mpsc::unbounded_channel();
         tokio::spawn(receive_loop(Arc::clone(&engine), Deliver(in_tx)));
         tokio::spawn(send_loop(Arc::clone(&engine), msg_rx, ctl_rx));
+        // grant the peer the rest of our window now, before any message needs it
+        let _ = engine.ctl_tx.send(Ctl::Credit);
         let closer = Arc::new(CloseOnDrop(Arc::clone(&engine)));
         (
             RdmaReader {
@@ -498,6 +514,8 @@ struct Proto {
     push_lens: HashMap<u64, Vec<u64>>,
     /// rendezvous READs/WRITEs running (see `Op`)
     ops: usize,
+    /// we have been blocked on send credits since our last packet (the next one says so)
+    starved: bool,
 }
 
 enum Ctl {
@@ -528,6 +546,8 @@ struct Engine {
     /// (see [`RdmaOptions::max_fallback_bytes`])
     inbound: Arc<Semaphore>,
     inbound_units: u64,
+    /// the largest receive window we grant the peer (our `recv_slots`)
+    max_window: u32,
     slot: usize,
     pool: PoolMonitor,
 }
@@ -541,6 +561,15 @@ impl Engine {
     fn release(&self) {
         let mut p = lock(&self.proto);
         p.credits.on_slot_reposted();
+        if let Some(share) = self.conn.srq_share() {
+            // A shared receive queue: give the slot back to the other connections while the
+            // budget is low (a window grows when the peer says it is starved, see
+            // `receive_loop`).
+            if share.budget_low() {
+                let k = p.credits.shrink(1);
+                share.give_back(k);
+            }
+        }
         if p.credits.should_return() {
             let _ = self.ctl_tx.send(Ctl::Credit);
         }
@@ -581,6 +610,9 @@ impl Engine {
                     if let Some(f) = encode.take() {
                         f(&mut out, credits);
                     }
+                    if std::mem::take(&mut p.starved) {
+                        Packet::mark_starved(&mut out);
+                    }
                     (Some(out), None)
                 } else if data && p.credits.should_return() {
                     // Blocked on data credit while owing the peer half a window: return it now,
@@ -589,8 +621,13 @@ impl Engine {
                     let credits = p.credits.take().unwrap_or(0);
                     let mut out = BytesMut::with_capacity(PACKET_HEADER_LEN);
                     Packet::encode_control(&mut out, credits, &Packet::Credit);
+                    Packet::mark_starved(&mut out);
+                    p.starved = false;
                     (None, Some(out))
                 } else {
+                    if data {
+                        p.starved = true;
+                    }
                     (None, None)
                 }
             };
@@ -994,6 +1031,7 @@ async fn receive_loop(engine: Arc<Engine>, deliver: Deliver) {
             Ok(None) => break None,
             Err(e) => break Some(to_io(e)),
         };
+        let starved = Packet::is_starved(&data);
         let (packet, credits) = match Packet::parse(data, &engine.limits) {
             Ok(x) => x,
             Err(v) => break Some(violation(v)),
@@ -1002,6 +1040,20 @@ async fn receive_loop(engine: Arc<Engine>, deliver: Deliver) {
             let mut p = lock(&engine.proto);
             if let Err(v) = p.credits.on_receive(credits) {
                 break Some(violation(v));
+            }
+            // A peer starved of credits on a shared receive queue: widen its window by half
+            // again (at least 2, up to `recv_slots`) while the budget lends; granted with our
+            // next packet.
+            if let (true, Some(share)) = (starved, engine.conn.srq_share()) {
+                let w = p.credits.window();
+                if w < engine.max_window {
+                    let want = (w / 2).max(2).min(engine.max_window - w);
+                    let got = share.borrow(want);
+                    p.credits.grow(got);
+                    if got > 0 && p.credits.should_return() {
+                        let _ = engine.ctl_tx.send(Ctl::Credit);
+                    }
+                }
             }
         }
         // RdmaConnection::recv_bytes reposted the slot already; a message's credit goes back
@@ -1363,6 +1415,11 @@ impl RdmaRpcListener {
     /// The counters of the registered pools of every connection it accepted.
     pub fn pool_monitor(&self) -> PoolMonitor {
         self.inner.pool_monitor()
+    }
+
+    /// Watches its shared receive queues ([`RdmaOptions::srq_slots`]).
+    pub fn shared_receive_monitor(&self) -> crate::SharedReceiveMonitor {
+        self.inner.shared_receive_monitor()
     }
 }
 

@@ -2,10 +2,14 @@
 //!
 //! Built on `sideway` (RAII wrappers over libibverbs/librdmacm, which `rdma-mummy-sys` loads with
 //! `dlopen`), plus direct `rdma-mummy-sys` calls where sideway has gaps (arming a CQ, reading and
-//! acknowledging completion-channel events).
+//! acknowledging completion-channel events; shared receive queues; and queue pairs, which
+//! sideway 0.4.3 always creates without an SRQ, so `Qp` creates them with `ibv_create_qp` and
+//! posts with `ibv_post_send`/`ibv_post_recv`, using sideway only for the checked
+//! `ibv_modify_qp`).
 //!
 //! Ownership (children hold an `Arc` of their parents, so drop order is always right):
 //! `CmChannel` <- `CmId`; `Device` (context + PD) <- `Cq` (CQ + completion channel) <- `Qp`;
+//! `Device` <- `Srq` <- `Qp` (a QP that receives from a shared queue);
 //! `Device` <- `Region` (memory owned by this module + its local MR) <- `Exposure` (remote MR);
 //! `Device` <- `PoolRegion` (a connection's pool: memory + one MR, registered once) <-
 //! `PoolBuf` (an exclusive `rpc_core::pool::Lease` of a range) -> `PoolView` (frozen, read-only).
@@ -16,6 +20,8 @@
 //! * every posted work request holds an `Arc<Region>` (in `Qp::inflight`) until it is retired
 //!   after its completion was polled, or until the QP is destroyed (after which the device no
 //!   longer touches the memory): memory is never freed or handed out while the device may use it;
+//!   a receive posted to a shared queue is held the same way by the `Srq` (retired through the
+//!   completion on whichever QP took it; a QP collects its leftover ones when destroyed);
 //! * an `Exposure` (a remotely accessible MR) holds the region too; dropping it deregisters the
 //!   MR, which revokes the peer's access in hardware before local access becomes possible again;
 //! * a `PoolBuf`'s bytes are reachable only through `&mut PoolBuf` (the pool lends each range
@@ -37,16 +43,17 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use sideway::ibverbs::completion::{
-    BasicCompletionQueue, CompletionChannel, CompletionQueue, GenericCompletionQueue,
+use rdma_mummy_sys::{
+    ibv_qp, ibv_qp_cap, ibv_qp_init_attr, ibv_qp_type, ibv_recv_wr, ibv_send_flags, ibv_send_wr,
+    ibv_sge, ibv_srq, ibv_srq_attr, ibv_srq_init_attr, ibv_wr_opcode, rdma_t, wr_t,
 };
+use sideway::ibverbs::completion::{BasicCompletionQueue, CompletionChannel, CompletionQueue};
 use sideway::ibverbs::device::{DeviceInfo, DeviceList, TransportType};
 use sideway::ibverbs::device_context::DeviceContext;
 use sideway::ibverbs::memory_region::MemoryRegion;
 use sideway::ibverbs::protection_domain::ProtectionDomain;
 use sideway::ibverbs::queue_pair::{
-    BasicQueuePair, PostSendGuard, QueuePair, QueuePairAttribute, QueuePairState,
-    SetScatterGatherEntry, WorkRequestFlags,
+    BasicPostSendGuard, QueuePair, QueuePairAttribute, QueuePairState,
 };
 use sideway::ibverbs::AccessFlags;
 use sideway::rdmacm::communication_manager::{
@@ -301,6 +308,14 @@ impl CmId {
 
     pub(crate) fn disconnect(&self) -> Result<(), RdmaError> {
         self.id.disconnect().map_err(verbs_err("rdma_disconnect"))
+    }
+
+    /// The name of the device this id is bound to.
+    pub(crate) fn device_name(&self) -> Result<String, RdmaError> {
+        let ctx = self.id.get_device_context().ok_or_else(|| {
+            RdmaError::Unavailable("the rdma_cm id is not bound to an RDMA device".into())
+        })?;
+        Ok(ctx.name())
     }
 
     /// The device this id is bound to (after bind to a device address, address resolution, or
@@ -616,16 +631,97 @@ struct InFlight {
     mem: Mem,
 }
 
-/// A reliable-connected queue pair (basic QP: siw refuses the extended one).
+/// A queue pair created with `ibv_create_qp` directly (sideway's builder always passes no SRQ),
+/// destroyed when dropped. Work requests are posted with `ibv_post_send`/`ibv_post_recv`.
+struct RawQp {
+    qp: NonNull<ibv_qp>,
+}
+
+// SAFETY: a verbs QP may be used from any thread; libibverbs' post and modify calls are
+// thread-safe (the providers lock their queues), and the pointer is only freed in Drop.
+unsafe impl Send for RawQp {}
+// SAFETY: as above: every call made through `&RawQp` is one of libibverbs' thread-safe verbs.
+unsafe impl Sync for RawQp {}
+
+impl Drop for RawQp {
+    fn drop(&mut self) {
+        // SAFETY: `qp` came from a successful `ibv_create_qp` and is destroyed once, here; the
+        // `Qp` holding this drops it before releasing the memory of posted work requests, the
+        // CQ, the SRQ and the PD (which all outlive the QP by field order / their Arcs).
+        let ret = unsafe { rdma_mummy_sys::ibv_destroy_qp(self.qp.as_ptr()) };
+        if ret != 0 {
+            tracing::warn!("transport-rdma: ibv_destroy_qp failed: {ret}");
+        }
+    }
+}
+
+/// A borrowed QP handle for sideway's `QueuePair::modify` (which only needs the pointer).
+struct ModifyHandle(NonNull<ibv_qp>);
+
+impl QueuePair for ModifyHandle {
+    unsafe fn qp(&self) -> NonNull<ibv_qp> {
+        self.0
+    }
+
+    type Guard<'g>
+        = BasicPostSendGuard<'g>
+    where
+        Self: 'g;
+
+    fn start_post_send(&mut self) -> Self::Guard<'_> {
+        // Work requests are posted with `ibv_post_send` (see `Qp::post_send_wr`); this handle
+        // exists only to reach sideway's checked `modify`.
+        unreachable!("ModifyHandle is never used to post")
+    }
+}
+
+/// A reliable-connected queue pair (basic QP: siw refuses the extended one), receiving either
+/// into its own receive queue or from a shared one ([`Srq`]).
 pub(crate) struct Qp {
-    // drop order matters: the QP is destroyed first (the device stops touching posted buffers),
-    // only then are the regions of still-posted work requests released.
-    qp: Mutex<BasicQueuePair>,
+    // drop order matters: the QP is destroyed first (in Drop: the device stops touching posted
+    // buffers), only then are the regions of still-posted work requests released, the SRQ, the
+    // CQ, the PD.
+    qp: ManuallyDrop<RawQp>,
+    /// serializes `ibv_modify_qp` calls
+    modify_lock: Mutex<()>,
     inflight: Mutex<HashMap<u64, InFlight>>,
     qp_num: u32,
     next_wr: AtomicU64,
+    srq: Option<Arc<Srq>>,
     device: Arc<Device>,
     _cq: Arc<Cq>,
+}
+
+impl Drop for Qp {
+    fn drop(&mut self) {
+        // SAFETY: dropped once, here; nothing uses the QP after this.
+        unsafe { ManuallyDrop::drop(&mut self.qp) };
+        // A receive of the shared queue that this QP had taken (a message arriving, or flushed
+        // as the QP died) completes on this QP's CQ; nobody polls that CQ any more, so
+        // collect those completions here, before the CQ goes, and post their buffers to the
+        // shared queue again: otherwise the queue would count them as posted for ever.
+        let Some(srq) = &self.srq else { return };
+        let mut wcs = Vec::with_capacity(64);
+        loop {
+            wcs.clear();
+            match self._cq.poll(&mut wcs, 64) {
+                Ok(0) | Err(_) => break,
+                Ok(_) => {}
+            }
+            for wc in &wcs {
+                if wc.kind != WrKind::Recv {
+                    continue;
+                }
+                if let Some(Mem::Pool(buf)) = srq.retire(wc.wr_id) {
+                    if let Err((e, _)) = srq.post_recv_pool(buf) {
+                        tracing::error!(
+                            "transport-rdma: re-posting to the shared receive queue: {e}"
+                        );
+                    }
+                }
+            }
+        }
+    }
 }
 
 /// Queue sizes of a QP.
@@ -636,29 +732,56 @@ pub(crate) struct QpCaps {
 }
 
 impl Qp {
+    /// Creates an RC QP on `device`'s PD whose completions go to `cq`; its receives come from
+    /// `srq` if given (which must belong to the same device and PD), else from its own receive
+    /// queue of `caps.max_recv_wr` entries.
     pub(crate) fn new(
         device: &Arc<Device>,
         cq: &Arc<Cq>,
         caps: QpCaps,
+        srq: Option<&Arc<Srq>>,
     ) -> Result<Arc<Qp>, RdmaError> {
-        let generic = GenericCompletionQueue::from(Arc::clone(&cq.cq));
-        let qp = device
-            .pd
-            .create_qp_builder()
-            .setup_max_send_wr(caps.max_send_wr)
-            .setup_max_recv_wr(caps.max_recv_wr)
-            .setup_max_send_sge(1)
-            .setup_max_recv_sge(1)
-            .setup_send_cq(generic.clone())
-            .setup_recv_cq(generic)
-            .build()
-            .map_err(verbs_err("ibv_create_qp"))?;
-        let qp_num = qp.qp_number();
+        if let Some(srq) = srq {
+            if !Arc::ptr_eq(&srq.device, device) {
+                return Err(RdmaError::InvalidArgument(
+                    "the shared receive queue belongs to another device/PD".into(),
+                ));
+            }
+        }
+        // SAFETY: the CQ is live (its Arc is kept in the Qp, which outlives the raw QP).
+        let cq_ptr = unsafe { cq.cq.cq().as_ptr() };
+        let mut init = ibv_qp_init_attr {
+            qp_context: std::ptr::null_mut(),
+            send_cq: cq_ptr,
+            recv_cq: cq_ptr,
+            srq: srq.map_or(std::ptr::null_mut(), |s| s.srq.as_ptr()),
+            cap: ibv_qp_cap {
+                max_send_wr: caps.max_send_wr,
+                max_recv_wr: if srq.is_some() { 0 } else { caps.max_recv_wr },
+                max_send_sge: 1,
+                max_recv_sge: 1,
+                max_inline_data: 0,
+            },
+            qp_type: ibv_qp_type::IBV_QPT_RC,
+            sq_sig_all: 0,
+        };
+        // SAFETY: the PD, CQ and SRQ pointers are live objects of the same device context (each
+        // kept alive by an Arc stored in the returned Qp, which destroys the QP first); `init`
+        // is a fully initialized attribute block that the call only reads and updates.
+        let raw = unsafe { rdma_mummy_sys::ibv_create_qp(device.pd.pd().as_ptr(), &mut init) };
+        let qp = NonNull::new(raw).ok_or_else(|| RdmaError::Verbs {
+            op: "ibv_create_qp",
+            source: Box::new(std::io::Error::last_os_error()),
+        })?;
+        // SAFETY: `qp` is the live QP just created; `qp_num` is set by the provider at creation.
+        let qp_num = unsafe { qp.as_ref().qp_num };
         Ok(Arc::new(Qp {
-            qp: Mutex::new(qp),
+            qp: ManuallyDrop::new(RawQp { qp }),
+            modify_lock: Mutex::new(()),
             inflight: Mutex::new(HashMap::new()),
             qp_num,
             next_wr: AtomicU64::new(1),
+            srq: srq.cloned(),
             device: Arc::clone(device),
             _cq: Arc::clone(cq),
         }))
@@ -673,8 +796,75 @@ impl Qp {
     }
 
     fn modify(&self, attr: &QueuePairAttribute, op: &'static str) -> Result<(), RdmaError> {
-        let mut qp = self.qp.lock().unwrap_or_else(|p| p.into_inner());
-        guarded(op, || qp.modify(attr))?.map_err(verbs_err(op))
+        let _serial = self.modify_lock.lock().unwrap_or_else(|p| p.into_inner());
+        let mut handle = ModifyHandle(self.qp.qp);
+        guarded(op, || handle.modify(attr))?.map_err(verbs_err(op))
+    }
+
+    /// Posts one signaled send-queue work request (`opcode`) of one scatter/gather entry.
+    fn post_send_wr(
+        &self,
+        wr_id: u64,
+        opcode: ibv_wr_opcode::Type,
+        sge: (u32, u64, usize),
+        remote: Option<RemoteAddr>,
+    ) -> Result<(), std::io::Error> {
+        let (lkey, addr, len) = sge;
+        let mut sge = ibv_sge {
+            addr,
+            length: len as u32,
+            lkey,
+        };
+        // SAFETY: an all-zero `ibv_send_wr` is a valid value (null pointers, zero counts).
+        let mut wr: ibv_send_wr = unsafe { std::mem::zeroed() };
+        wr.wr_id = wr_id;
+        wr.sg_list = &mut sge;
+        wr.num_sge = 1;
+        wr.opcode = opcode;
+        wr.send_flags = ibv_send_flags::IBV_SEND_SIGNALED.0;
+        if let Some(r) = remote {
+            // an RDMA READ/WRITE reads the union's `rdma` member, the one written here
+            wr.wr = wr_t {
+                rdma: rdma_t {
+                    remote_addr: r.addr,
+                    rkey: r.rkey,
+                },
+            };
+        }
+        let mut bad: *mut ibv_send_wr = std::ptr::null_mut();
+        // SAFETY: the QP is live (owned by `self`); `wr` and `sge` live across the call, which
+        // copies them into the send queue; the caller has checked that the local range lies in
+        // memory registered under `lkey` and keeps that memory in `inflight` until the work
+        // request is retired or the QP destroyed.
+        let ret = unsafe { rdma_mummy_sys::ibv_post_send(self.qp.qp.as_ptr(), &mut wr, &mut bad) };
+        // siw returns negative errno values
+        match ret {
+            0 => Ok(()),
+            e => Err(std::io::Error::from_raw_os_error(e.abs())),
+        }
+    }
+
+    /// Posts one receive of one scatter/gather entry on the QP's own receive queue.
+    fn post_recv_wr(&self, wr_id: u64, sge: (u32, u64, usize)) -> Result<(), std::io::Error> {
+        let (lkey, addr, len) = sge;
+        let mut sge = ibv_sge {
+            addr,
+            length: len as u32,
+            lkey,
+        };
+        let mut wr = ibv_recv_wr {
+            wr_id,
+            next: std::ptr::null_mut(),
+            sg_list: &mut sge,
+            num_sge: 1,
+        };
+        let mut bad: *mut ibv_recv_wr = std::ptr::null_mut();
+        // SAFETY: as in `post_send_wr`; the caller keeps the buffer in `inflight`.
+        let ret = unsafe { rdma_mummy_sys::ibv_post_recv(self.qp.qp.as_ptr(), &mut wr, &mut bad) };
+        match ret {
+            0 => Ok(()),
+            e => Err(std::io::Error::from_raw_os_error(e.abs())),
+        }
     }
 
     /// Moves the QP to the error state: every posted work request completes (flushed).
@@ -764,21 +954,15 @@ impl Qp {
                 mem: Mem::Region(Arc::clone(region)),
             },
         );
-        let res = {
-            let mut qp = self.qp.lock().unwrap_or_else(|p| p.into_inner());
-            let mut guard = qp.start_post_send();
-            let wr = guard.construct_wr(wr_id, WorkRequestFlags::Signaled);
-            let local = match (kind, remote) {
-                (WrKind::Write, Some(r)) => wr.setup_write(r.rkey, r.addr),
-                (WrKind::Read, Some(r)) => wr.setup_read(r.rkey, r.addr),
-                _ => wr.setup_send(),
-            };
-            // SAFETY: the range was checked to lie inside the region, whose memory stays
-            // allocated (the Arc inserted into `inflight` above) until this work request is
-            // retired or the QP is destroyed; `lkey` belongs to an MR covering the whole region.
-            unsafe { local.setup_sge(lkey, region.addr(off), len as u32) };
-            guard.post()
+        let opcode = match (kind, remote) {
+            (WrKind::Write, Some(_)) => ibv_wr_opcode::IBV_WR_RDMA_WRITE,
+            (WrKind::Read, Some(_)) => ibv_wr_opcode::IBV_WR_RDMA_READ,
+            _ => ibv_wr_opcode::IBV_WR_SEND,
         };
+        // the range was checked to lie inside the region, whose memory stays allocated (the Arc
+        // inserted into `inflight` above) until this work request is retired or the QP is
+        // destroyed; `lkey` belongs to an MR covering the whole region
+        let res = self.post_send_wr(wr_id, opcode, (lkey, region.addr(off), len), remote);
         if let Err(e) = res {
             inflight.remove(&wr_id);
             let op = match kind {
@@ -796,6 +980,9 @@ impl Qp {
 
     /// Releases what a completed work request held: returns its memory.
     pub(crate) fn retire(&self, wr_id: u64) -> Option<Mem> {
+        if let (WrKind::Recv, Some(srq)) = (WrKind::of(wr_id), &self.srq) {
+            return srq.retire(wr_id);
+        }
         let mut inflight = self.inflight.lock().unwrap_or_else(|p| p.into_inner());
         inflight.remove(&wr_id).map(|f| f.mem)
     }
@@ -818,6 +1005,9 @@ impl Qp {
     /// Posts a receive into the whole of pool buffer `buf`, which the work request keeps
     /// (see [`Qp::retire`]); on failure the buffer comes back with the error.
     pub(crate) fn post_recv_pool(&self, buf: PoolBuf) -> Result<u64, (RdmaError, PoolBuf)> {
+        if let Some(srq) = &self.srq {
+            return srq.post_recv_pool(buf);
+        }
         let len = buf.lease.capacity();
         if let Err(e) = self.check_pool(&buf, len) {
             return Err((e, buf));
@@ -832,17 +1022,11 @@ impl Qp {
                 mem: Mem::Pool(buf),
             },
         );
-        let res = {
-            let mut qp = self.qp.lock().unwrap_or_else(|p| p.into_inner());
-            let mut guard = qp.start_post_recv();
-            let wr = guard.construct_wr(wr_id);
-            // SAFETY: `addr..addr+len` is the buffer's leased range (exclusive to it, inside the
-            // pool region, which its `Arc` keeps allocated and registered); the buffer now sits
-            // in `inflight` until this request is retired or the QP destroyed, so nothing else
-            // reaches those bytes meanwhile; `lkey` is the region's MR (LOCAL_WRITE).
-            unsafe { wr.setup_sge(lkey, addr, len as u32) };
-            guard.post()
-        };
+        // `addr..addr+len` is the buffer's leased range (exclusive to it, inside the pool
+        // region, which its `Arc` keeps allocated and registered); the buffer now sits in
+        // `inflight` until this request is retired or the QP destroyed, so nothing else reaches
+        // those bytes meanwhile; `lkey` is the region's MR (LOCAL_WRITE)
+        let res = self.post_recv_wr(wr_id, (lkey, addr, len));
         res.map(|()| wr_id)
             .map_err(|e| unpost_pool(&mut inflight, wr_id, "ibv_post_recv", e))
     }
@@ -910,22 +1094,16 @@ impl Qp {
                 mem: Mem::Pool(buf),
             },
         );
-        let res = {
-            let mut qp = self.qp.lock().unwrap_or_else(|p| p.into_inner());
-            let mut guard = qp.start_post_send();
-            let wr = guard.construct_wr(wr_id, WorkRequestFlags::Signaled);
-            let local = if kind == WrKind::Write {
-                wr.setup_write(remote.rkey, remote.addr)
-            } else {
-                wr.setup_read(remote.rkey, remote.addr)
-            };
-            // SAFETY: as in `post_recv_pool`: the leased range is the buffer's alone, stays
-            // allocated and registered, and the buffer sits in `inflight` until retired;
-            // `lkey` is the region's MR or the per-READ MR covering `addr..addr+len`, kept in
-            // `inflight` beside the buffer (and dropped before it).
-            unsafe { local.setup_sge(lkey, addr, len as u32) };
-            guard.post()
+        let opcode = if kind == WrKind::Write {
+            ibv_wr_opcode::IBV_WR_RDMA_WRITE
+        } else {
+            ibv_wr_opcode::IBV_WR_RDMA_READ
         };
+        // as in `post_recv_pool`: the leased range is the buffer's alone, stays allocated and
+        // registered, and the buffer sits in `inflight` until retired; `lkey` is the region's
+        // MR or the per-READ MR covering `addr..addr+len`, kept in `inflight` beside the buffer
+        // (and dropped before it)
+        let res = self.post_send_wr(wr_id, opcode, (lkey, addr, len), Some(remote));
         let op = if kind == WrKind::Write {
             "ibv_post_send (RDMA WRITE)"
         } else {
@@ -933,6 +1111,130 @@ impl Qp {
         };
         res.map(|()| wr_id)
             .map_err(|e| unpost_pool(&mut inflight, wr_id, op, e))
+    }
+}
+
+/// A shared receive queue: one pool of posted receive buffers for every QP created with it
+/// (all on its device's PD), so that receive memory does not grow with the number of
+/// connections. Its receive completions arrive on the CQ of the QP that received the message,
+/// with the `wr_id` this SRQ gave them ([`Qp::retire`] hands them here).
+pub(crate) struct Srq {
+    // drop order: the SRQ is destroyed (in Drop) before the buffers posted to it are released
+    srq: NonNull<ibv_srq>,
+    inflight: Mutex<HashMap<u64, PoolBuf>>,
+    next_wr: AtomicU64,
+    device: Arc<Device>,
+}
+
+// SAFETY: libibverbs' SRQ verbs (post, destroy) are thread-safe; the pointer is only freed in
+// Drop, and the posted buffers are only reached under the `inflight` lock.
+unsafe impl Send for Srq {}
+// SAFETY: as above.
+unsafe impl Sync for Srq {}
+
+impl Srq {
+    /// Creates an SRQ of `max_wr` receives (one scatter/gather entry each) on `device`'s PD.
+    pub(crate) fn new(device: &Arc<Device>, max_wr: u32) -> Result<Arc<Srq>, RdmaError> {
+        let mut init = ibv_srq_init_attr {
+            srq_context: std::ptr::null_mut(),
+            attr: ibv_srq_attr {
+                max_wr,
+                max_sge: 1,
+                srq_limit: 0,
+            },
+        };
+        // SAFETY: the PD is live (its Device's Arc is kept in the Srq, which destroys the SRQ
+        // first); `init` is fully initialized and only read and updated by the call.
+        let raw = unsafe { rdma_mummy_sys::ibv_create_srq(device.pd.pd().as_ptr(), &mut init) };
+        let srq = NonNull::new(raw).ok_or_else(|| RdmaError::Verbs {
+            op: "ibv_create_srq",
+            source: Box::new(std::io::Error::last_os_error()),
+        })?;
+        Ok(Arc::new(Srq {
+            srq,
+            inflight: Mutex::new(HashMap::new()),
+            next_wr: AtomicU64::new(1),
+            device: Arc::clone(device),
+        }))
+    }
+
+    /// The device (and PD) whose QPs may use this SRQ.
+    pub(crate) fn device(&self) -> &Arc<Device> {
+        &self.device
+    }
+
+    /// Receives posted and not yet completed.
+    pub(crate) fn posted(&self) -> usize {
+        self.inflight
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .len()
+    }
+
+    /// Posts a receive into the whole of pool buffer `buf` (registered on this SRQ's PD), which
+    /// the SRQ keeps until the completion retires it or the SRQ is destroyed.
+    pub(crate) fn post_recv_pool(&self, buf: PoolBuf) -> Result<u64, (RdmaError, PoolBuf)> {
+        let len = buf.lease.capacity();
+        if !Arc::ptr_eq(&buf.region.device, &self.device) || len > u32::MAX as usize {
+            return Err((
+                RdmaError::InvalidArgument(
+                    "receive buffer not registered on the shared receive queue's PD".into(),
+                ),
+                buf,
+            ));
+        }
+        let mut sge = ibv_sge {
+            addr: buf.addr(),
+            length: len as u32,
+            lkey: buf.region.mr.lkey(),
+        };
+        let wr_id = (WrKind::Recv.tag() << 56)
+            | (self.next_wr.fetch_add(1, Ordering::Relaxed) & ((1 << 56) - 1));
+        let mut inflight = self.inflight.lock().unwrap_or_else(|p| p.into_inner());
+        inflight.insert(wr_id, buf);
+        let mut wr = ibv_recv_wr {
+            wr_id,
+            next: std::ptr::null_mut(),
+            sg_list: &mut sge,
+            num_sge: 1,
+        };
+        let mut bad: *mut ibv_recv_wr = std::ptr::null_mut();
+        // SAFETY: the SRQ is live (owned by `self`); `wr` and `sge` live across the call, which
+        // copies them; the range is the buffer's leased range (exclusive to it, registered
+        // LOCAL_WRITE under `lkey` on this SRQ's PD), and the buffer now sits in `inflight`
+        // until its completion retires it or the SRQ is destroyed.
+        let ret =
+            unsafe { rdma_mummy_sys::ibv_post_srq_recv(self.srq.as_ptr(), &mut wr, &mut bad) };
+        if ret != 0 {
+            let Some(buf) = inflight.remove(&wr_id) else {
+                unreachable!("inserted before posting")
+            };
+            return Err((
+                RdmaError::Verbs {
+                    op: "ibv_post_srq_recv",
+                    source: Box::new(std::io::Error::from_raw_os_error(ret.abs())),
+                },
+                buf,
+            ));
+        }
+        Ok(wr_id)
+    }
+
+    fn retire(&self, wr_id: u64) -> Option<Mem> {
+        let mut inflight = self.inflight.lock().unwrap_or_else(|p| p.into_inner());
+        inflight.remove(&wr_id).map(Mem::Pool)
+    }
+}
+
+impl Drop for Srq {
+    fn drop(&mut self) {
+        // SAFETY: every QP using this SRQ holds an Arc of it, so none is left; the SRQ came from
+        // a successful `ibv_create_srq` and is destroyed once. Its posted buffers (in
+        // `inflight`) are released after this, when the device no longer touches them.
+        let ret = unsafe { rdma_mummy_sys::ibv_destroy_srq(self.srq.as_ptr()) };
+        if ret != 0 {
+            tracing::warn!("transport-rdma: ibv_destroy_srq failed: {ret}");
+        }
     }
 }
 

@@ -15,7 +15,7 @@ use rpc_core::wire::{Header, Kind, Message};
 use rpc_core::{Client, Config, Payload, ServerError};
 use transport_rdma::{
     devices, PoolCounts, PoolMonitor, RdmaConnection, RdmaOptions, RdmaRpcListener, RdmaTransport,
-    RemoteAccess, RemoteToken,
+    RemoteAccess, RemoteToken, SharedReceiveMonitor, SharedReceiveStats,
 };
 
 const LIMIT: Duration = Duration::from_secs(240);
@@ -93,6 +93,7 @@ fn data(len: usize, seed: u64) -> Vec<u8> {
 /// A `Blob` server on `addr` with `opts`: its listener's pool counters, and how to stop it.
 struct BlobServer {
     pools: PoolMonitor,
+    srq: SharedReceiveMonitor,
     shutdown: ShutdownHandle,
     task: tokio::task::JoinHandle<()>,
 }
@@ -101,6 +102,7 @@ impl BlobServer {
     fn start(addr: SocketAddr, config: &Config, opts: RdmaOptions) -> BlobServer {
         let listener = RdmaRpcListener::bind(addr, config.clone(), opts).expect("bind");
         let pools = listener.pool_monitor();
+        let srq = listener.shared_receive_monitor();
         let shutdown = ShutdownHandle::new();
         let task = tokio::spawn(server::serve(
             listener,
@@ -111,6 +113,7 @@ impl BlobServer {
         ));
         BlobServer {
             pools,
+            srq,
             shutdown,
             task,
         }
@@ -338,9 +341,16 @@ struct Raw {
 
 impl Raw {
     async fn connect(addr: SocketAddr) -> Raw {
-        let conn = RdmaConnection::connect(addr, RdmaOptions::default())
+        let opts = RdmaOptions::default();
+        let conn = RdmaConnection::connect(addr, opts.clone())
             .await
             .expect("raw connect");
+        // windows are granted, not assumed: the server may send us 2 packets until we grant
+        // the rest of our receive slots (what the transport's first packet does)
+        let mut out = BytesMut::new();
+        let grant = opts.recv_slots as u16 - rpc_core::rendezvous::START_WINDOW as u16;
+        Packet::encode_control(&mut out, grant, &Packet::Credit);
+        conn.send(&out).await.expect("raw grant");
         Raw { conn }
     }
 
@@ -839,6 +849,207 @@ async fn fallback_budget_bounds_registered_memory() {
             );
             srv.stop().await;
         }
+    })
+    .await
+    .expect("test timed out");
+}
+
+/// The one shared receive queue of a server (its only device), once a connection made it.
+fn srq_stats(mon: &SharedReceiveMonitor) -> SharedReceiveStats {
+    let all = mon.stats();
+    assert_eq!(
+        all.len(),
+        1,
+        "one shared receive queue, on the one device: {all:?}"
+    );
+    all[0].1
+}
+
+/// Waits (bounded) until every slot of the server's shared receive queue is free and posted
+/// again: all windows given back, no receive lost.
+async fn srq_settles(what: &str, mon: &SharedReceiveMonitor) -> SharedReceiveStats {
+    let t0 = Instant::now();
+    loop {
+        let s = srq_stats(mon);
+        if s.free == s.slots && s.posted == s.slots as usize {
+            return s;
+        }
+        if t0.elapsed() > Duration::from_secs(30) {
+            panic!("{what}: the shared receive queue did not settle: {s:?}");
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+/// A server with a shared receive queue (`srq_slots`): as many connections as the device takes
+/// (up to 64), each answering; the server registers its receive slots once, so its registered
+/// memory does not grow with the connections (the number is the same with 1 and with all of
+/// them), and every slot is back in the queue and in the budget when they are gone.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn shared_receive_queue_many_connections() {
+    let (dev, addr) = target(20_141);
+    tokio::time::timeout(LIMIT, async move {
+        let config = Config::default();
+        let slots = 256usize;
+        let server_opts = RdmaOptions { srq_slots: slots, ..RdmaOptions::default() };
+        let srv = BlobServer::start(addr, &config, server_opts);
+        let client_opts = RdmaOptions::default();
+        let echo = |c: Client, i: u64| async move {
+            let d = data(64, i);
+            let back: Payload =
+                c.call::<Bincode, _, _>(ECHO, "Blob.echo", &(Payload::from_owner(d.clone()),)).await.expect("call");
+            assert!(back[..] == d[..], "echo {i}");
+        };
+        let first = Client::new(
+            RdmaTransport::connect(addr, config.clone(), client_opts.clone()).await.expect("connect"),
+            config.clone(),
+        );
+        echo(first.clone(), 0).await;
+        let registered_1 = srv.pools.counts().registered_bytes;
+        let s1 = srq_stats(&srv.srq);
+        assert_eq!(s1.slots as usize, slots);
+        assert_eq!(s1.posted, slots, "every slot is posted");
+        let rss0 = rss_kib();
+        let mut clients = vec![first];
+        let mut monitors = Vec::new();
+        let mut stopped = None;
+        while clients.len() < 64 {
+            match RdmaTransport::connect(addr, config.clone(), client_opts.clone()).await {
+                Ok(t) => {
+                    monitors.push(t.pool_monitor());
+                    clients.push(Client::new(t, config.clone()))
+                }
+                Err(e) => {
+                    stopped = Some(e);
+                    break;
+                }
+            }
+        }
+        if let Some(e) = &stopped {
+            println!("device {dev}: (shared receive queue) the device took {} connections, then: {e}", clients.len());
+        }
+        let n = clients.len();
+        assert!(n >= 8, "only {n} connections: {stopped:?}");
+        for (i, c) in clients.iter().enumerate() {
+            echo(c.clone(), i as u64).await;
+        }
+        let registered_n = srv.pools.counts().registered_bytes;
+        let sn = srq_stats(&srv.srq);
+        let per_conn_kib = rss_kib().saturating_sub(rss0) / (n as u64 - 1);
+        // the client's own receive slots (registered, touched) are most of that
+        let client_kib = monitors[0].counts().registered_bytes / 1024;
+        println!(
+            "device {dev}: {n} idle RDMA connections to a server with a shared receive queue of {slots} slots ({} KiB registered): server registered {} KiB with 1 connection, {} KiB with {n}; {per_conn_kib} KiB RSS per added connection, both ends in one process, of which {client_kib} KiB are the client's own registered receive slots, so about {} KiB for the server's side and both ends' bookkeeping; {} of {slots} slots free",
+            sn.registered_bytes / 1024,
+            registered_1 / 1024,
+            registered_n / 1024,
+            per_conn_kib.saturating_sub(client_kib),
+            sn.free
+        );
+        assert_eq!(registered_n, registered_1, "the server's registered memory grew with its connections");
+        assert_eq!(sn.posted, slots, "every slot is posted");
+        assert!(
+            sn.free as usize <= slots - 2 * n,
+            "each of {n} connections holds at least its start window: {sn:?}"
+        );
+        drop(clients);
+        srq_settles("after the connections closed", &srv.srq).await;
+        // what is still leased is the slots posted to the shared receive queue, no more
+        settle("server pools", &srv.pools, |c| c.outstanding() == slots as u64).await;
+        srv.stop().await;
+    })
+    .await
+    .expect("test timed out");
+}
+
+/// Connections that together want far more than a small shared receive queue holds (16 slots
+/// for 6 connections of up to 32 each, 16 calls in flight on each, eager and rendezvous): every
+/// call is answered byte-exact and no connection fails, which on iWARP (siw) shows that no SEND
+/// ever found the queue empty (that would terminate the connection); a connection over what
+/// the queue can admit is refused, and admitted once another has gone; all slots come back.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn shared_receive_queue_under_pressure() {
+    let (dev, addr) = target(20_161);
+    tokio::time::timeout(LIMIT, async move {
+        let config = Config::default();
+        let slots = 16usize;
+        let server_opts = RdmaOptions { srq_slots: slots, ..RdmaOptions::default() };
+        let srv = BlobServer::start(addr, &config, server_opts);
+        let mut clients = Vec::new();
+        for _ in 0..6 {
+            clients.push(Client::new(
+                RdmaTransport::connect(addr, config.clone(), RdmaOptions::default()).await.expect("connect"),
+                config.clone(),
+            ));
+        }
+        let t0 = Instant::now();
+        let mut tasks = Vec::new();
+        for (ci, c) in clients.iter().enumerate() {
+            for k in 0..16u64 {
+                let c = c.clone();
+                tasks.push(tokio::spawn(async move {
+                    for round in 0..20u64 {
+                        let seed = (ci as u64) << 32 | k << 16 | round;
+                        // mostly eager; every fifth call a rendezvous (its control packets use
+                        // the window too)
+                        let len = if round % 5 == 4 { 64 << 10 } else { 64 + (seed as usize % 4000) };
+                        let d = data(len, seed);
+                        let back: Payload = c
+                            .call::<Bincode, _, _>(ECHO, "Blob.echo", &(Payload::from_owner(d.clone()),))
+                            .await
+                            .unwrap_or_else(|e| panic!("call {seed:#x} of {len} B: {e}"));
+                        assert!(back[..] == d[..], "echo {seed:#x} of {len} B differs");
+                    }
+                }));
+            }
+        }
+        for t in tasks {
+            t.await.expect("caller");
+        }
+        let calls = 6 * 16 * 20;
+        let during = srq_stats(&srv.srq);
+        println!(
+            "device {dev}: {calls} calls, 6 connections x 16 in flight, over a shared receive queue of {slots} slots: all answered byte-exact in {:.1} s; {} slots free afterwards",
+            t0.elapsed().as_secs_f64(),
+            during.free
+        );
+        assert_eq!(during.posted, slots, "every slot is posted");
+
+        // admission: connect until refused (each connection needs 2 free slots)
+        let mut more = Vec::new();
+        let refused = loop {
+            match RdmaTransport::connect(addr, config.clone(), RdmaOptions::default()).await {
+                Ok(t) => {
+                    more.push(Client::new(t, config.clone()));
+                    assert!(6 + more.len() <= slots / 2, "more connections admitted than the queue's slots allow");
+                }
+                Err(e) => break e,
+            }
+        };
+        println!("device {dev}: {} connections admitted, the next refused: {refused}", 6 + more.len());
+        // the connections admitted still work
+        for (i, c) in clients.iter().chain(more.iter()).enumerate() {
+            let d = data(100, i as u64);
+            let back: Payload =
+                c.call::<Bincode, _, _>(ECHO, "Blob.echo", &(Payload::from_owner(d.clone()),)).await.expect("call after refusal");
+            assert!(back[..] == d[..]);
+        }
+        // once every connection has gone, a new one is admitted and works
+        drop(clients);
+        drop(more);
+        srq_settles("after the connections closed", &srv.srq).await;
+        let late = Client::new(
+            RdmaTransport::connect(addr, config.clone(), RdmaOptions::default()).await.expect("admitted once slots are free"),
+            config.clone(),
+        );
+        let d = data(64, 7);
+        let back: Payload = late.call::<Bincode, _, _>(ECHO, "Blob.echo", &(Payload::from_owner(d.clone()),)).await.expect("call");
+        assert!(back[..] == d[..]);
+        drop(late);
+        srq_settles("at the end", &srv.srq).await;
+        // what is still leased is the slots posted to the shared receive queue, no more
+        settle("server pools", &srv.pools, |c| c.outstanding() == slots as u64).await;
+        srv.stop().await;
     })
     .await
     .expect("test timed out");
