@@ -84,7 +84,7 @@
 //! With [`RdmaOptions::srq_slots`] set, a listener's connections on one device receive from a
 //! single shared receive queue of that many slots, registered once, instead of posting
 //! `recv_slots` each: the server's receive memory does not grow with its connections (the
-//! `shared_receive_queue_many_connections` guest test holds 64 connections with the same
+//! `shared_receive_queue_many_connections` guest test holds 256 connections on rxe with the same
 //! registered memory as one). Slots are posted back to the queue as soon as a message is
 //! taken out (a fresh one, or the same one after a copy if handlers hold every spare), whoever
 //! reads the message, so the queue always holds every slot.

@@ -224,14 +224,24 @@ async fn rpc_calls_eager_and_rendezvous() {
 
 /// Waits until the monitor's counters satisfy `ok` (at most 30 s); panics with them otherwise.
 async fn settle(what: &str, mon: &PoolMonitor, ok: impl Fn(&PoolCounts) -> bool) -> PoolCounts {
+    eventually(what, || mon.counts(), ok).await
+}
+
+/// Polls `read` until `ok` holds (the counters are updated by other tasks, which signal no
+/// one); panics with the last value after 30 s.
+async fn eventually<T: std::fmt::Debug>(
+    what: &str,
+    read: impl Fn() -> T,
+    ok: impl Fn(&T) -> bool,
+) -> T {
     let t0 = Instant::now();
     loop {
-        let c = mon.counts();
-        if ok(&c) {
-            return c;
+        let v = read();
+        if ok(&v) {
+            return v;
         }
         if t0.elapsed() > Duration::from_secs(30) {
-            panic!("{what}: pool counters did not settle: {c:?}");
+            panic!("{what}: did not settle: {v:?}");
         }
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
@@ -868,21 +878,16 @@ fn srq_stats(mon: &SharedReceiveMonitor) -> SharedReceiveStats {
 /// Waits (bounded) until every slot of the server's shared receive queue is free and posted
 /// again: all windows given back, no receive lost.
 async fn srq_settles(what: &str, mon: &SharedReceiveMonitor) -> SharedReceiveStats {
-    let t0 = Instant::now();
-    loop {
-        let s = srq_stats(mon);
-        if s.free == s.slots && s.posted == s.slots as usize {
-            return s;
-        }
-        if t0.elapsed() > Duration::from_secs(30) {
-            panic!("{what}: the shared receive queue did not settle: {s:?}");
-        }
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    eventually(
+        what,
+        || srq_stats(mon),
+        |s| s.free == s.slots && s.posted == s.slots as usize,
+    )
+    .await
 }
 
 /// A server with a shared receive queue (`srq_slots`): as many connections as the device takes
-/// (up to 64), each answering; the server registers its receive slots once, so its registered
+/// (up to 256), each answering; the server registers its receive slots once, so its registered
 /// memory does not grow with the connections (the number is the same with 1 and with all of
 /// them), and every slot is back in the queue and in the budget when they are gone.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -890,7 +895,7 @@ async fn shared_receive_queue_many_connections() {
     let (dev, addr) = target(20_141);
     tokio::time::timeout(LIMIT, async move {
         let config = Config::default();
-        let slots = 256usize;
+        let slots = 1024usize;
         let server_opts = RdmaOptions { srq_slots: slots, ..RdmaOptions::default() };
         let srv = BlobServer::start(addr, &config, server_opts);
         let client_opts = RdmaOptions::default();
@@ -913,7 +918,7 @@ async fn shared_receive_queue_many_connections() {
         let mut clients = vec![first];
         let mut monitors = Vec::new();
         let mut stopped = None;
-        while clients.len() < 64 {
+        while clients.len() < 256 {
             match RdmaTransport::connect(addr, config.clone(), client_opts.clone()).await {
                 Ok(t) => {
                     monitors.push(t.pool_monitor());
