@@ -360,6 +360,8 @@ pub struct RdmaConnection {
     transport: TransportKind,
     recv_slots: usize,
     send_slots: usize,
+    /// accepted (not connected) by us
+    passive: bool,
     _cm: Arc<CmDispatcher>,
 }
 
@@ -531,7 +533,7 @@ impl RdmaConnection {
             _ => return Err(unexpected(&ev, "the connection to be accepted")),
         }
         check_device(&prepared, &opts)?;
-        Self::start(id, cm, prepared, rx, &opts)
+        Self::start(id, cm, prepared, rx, &opts, false)
     }
 
     fn start(
@@ -540,6 +542,7 @@ impl RdmaConnection {
         prepared: Prepared,
         cm_rx: mpsc::UnboundedReceiver<CmEvent>,
         opts: &RdmaOptions,
+        passive: bool,
     ) -> Result<RdmaConnection, RdmaError> {
         let Prepared {
             qp,
@@ -591,8 +594,14 @@ impl RdmaConnection {
             transport,
             recv_slots,
             send_slots,
+            passive,
             _cm: cm,
         })
+    }
+
+    /// Whether we accepted the connection (the peer connected).
+    pub fn is_accepted(&self) -> bool {
+        self.passive
     }
 
     /// The connection's part of its listener's shared receive queue, if it has one.
@@ -1449,7 +1458,7 @@ impl PendingConnection {
             return Err(unexpected(&ev, "the connection to be established"));
         }
         check_device(&prepared, &opts)?;
-        RdmaConnection::start(id, cm, prepared, rx, &opts)
+        RdmaConnection::start(id, cm, prepared, rx, &opts, true)
     }
 }
 

@@ -273,6 +273,7 @@ impl rpc_core::Transport for RdmaTransport {
             }
         };
         let slots = conn.recv_slots() as u32;
+        let accepted = conn.is_accepted();
         // Windows are granted, not assumed (see `Credits::starting`): a connection of a shared
         // receive queue starts with the 2 slots it holds and borrows more while busy; any
         // other grants all its slots with its first packet.
@@ -294,6 +295,7 @@ impl rpc_core::Transport for RdmaTransport {
                 push_lens: HashMap::new(),
                 ops: 0,
                 starved: false,
+                heard: !accepted,
             }),
             credit_changed: Notify::new(),
             ctl_tx,
@@ -312,8 +314,12 @@ impl rpc_core::Transport for RdmaTransport {
         let (in_tx, in_rx) = mpsc::unbounded_channel();
         tokio::spawn(receive_loop(Arc::clone(&engine), Deliver(in_tx)));
         tokio::spawn(send_loop(Arc::clone(&engine), msg_rx, ctl_rx));
-        // grant the peer the rest of our window now, before any message needs it
-        let _ = engine.ctl_tx.send(Ctl::Credit);
+        // The connecting side grants the peer the rest of its window now, before any message
+        // needs it; the accepting side's grant rides on its first packet, once it has heard
+        // from the peer (see `Proto::heard`).
+        if !accepted {
+            let _ = engine.ctl_tx.send(Ctl::Credit);
+        }
         let closer = Arc::new(CloseOnDrop(Arc::clone(&engine)));
         (
             RdmaReader {
@@ -516,6 +522,11 @@ struct Proto {
     ops: usize,
     /// we have been blocked on send credits since our last packet (the next one says so)
     starved: bool,
+    /// the peer's first packet has arrived. The accepting side sends nothing before that:
+    /// iWARP's MPA forbids it (an FPDU that reaches the connecting side before it has read
+    /// the MPA reply fails its connection set-up: siw reports EINVAL), and our protocol never
+    /// needs it (the connecting side's first packet grants its window).
+    heard: bool,
 }
 
 enum Ctl {
@@ -599,11 +610,12 @@ impl Engine {
             notified.as_mut().enable();
             let (out, credit_return) = {
                 let mut p = lock(&self.proto);
-                let ok = if data {
-                    p.credits.can_send()
-                } else {
-                    p.credits.available() >= 1
-                };
+                let ok = p.heard
+                    && if data {
+                        p.credits.can_send()
+                    } else {
+                        p.credits.available() >= 1
+                    };
                 if ok {
                     let credits = p.credits.take().unwrap_or(0);
                     let mut out = BytesMut::with_capacity(256);
@@ -614,7 +626,7 @@ impl Engine {
                         Packet::mark_starved(&mut out);
                     }
                     (Some(out), None)
-                } else if data && p.credits.should_return() {
+                } else if data && p.heard && p.credits.should_return() {
                     // Blocked on data credit while owing the peer half a window: return it now,
                     // with the credit kept for this, or both sides could wait on each other
                     // forever (each one's credits ride only on the other's data).
@@ -625,7 +637,7 @@ impl Engine {
                     p.starved = false;
                     (None, Some(out))
                 } else {
-                    if data {
+                    if data && p.heard {
                         p.starved = true;
                     }
                     (None, None)
@@ -1040,6 +1052,11 @@ async fn receive_loop(engine: Arc<Engine>, deliver: Deliver) {
             let mut p = lock(&engine.proto);
             if let Err(v) = p.credits.on_receive(credits) {
                 break Some(violation(v));
+            }
+            if !p.heard {
+                // the accepting side may send from now on
+                p.heard = true;
+                engine.credit_changed.notify_waiters();
             }
             // A peer starved of credits on a shared receive queue: widen its window by half
             // again (at least 2, up to `recv_slots`) while the budget lends; granted with our
