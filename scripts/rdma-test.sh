@@ -201,7 +201,7 @@ for d in "${DEVS[@]}"; do
   done
 done
 
-# the transport's own figures: small-call round trip (busy-poll, the default 50 us spin before
+# the transport's own figures: small-call round trip (busy-poll, the default adaptive spin before
 # arming, and completion events alone; like perftest, server and client in two processes, each
 # with one runtime thread), calls/s with 64 in flight, and put bandwidth at 1 MiB and 16 MiB
 # (these two with client and server in one process)

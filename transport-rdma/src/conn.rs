@@ -3,7 +3,7 @@
 
 use std::collections::HashMap;
 use std::net::SocketAddr;
-use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -79,7 +79,8 @@ struct Shared {
     /// held while polling the CQ and dispatching, so completions are delivered in order
     poll_lock: Mutex<Vec<Wc>>,
     recv_tx: mpsc::UnboundedSender<RecvEvent>,
-    busy_poll: Duration,
+    /// how long to keep polling after the last completion before sleeping on the channel
+    spin: SpinWindow,
     state: Mutex<State>,
     send_pool: Mutex<Vec<Arc<Region>>>,
     send_permits: Arc<Semaphore>,
@@ -306,19 +307,21 @@ impl Shared {
             }
         };
         if n > 0 {
+            self.spin.on_completions(self.spin.now());
             dispatch(self, &wcs);
         }
         Ok(n)
     }
 
-    /// Busy-polls the CQ inline (no task switch) until `done` or `busy_poll` elapsed.
+    /// Busy-polls the CQ inline (no task switch) until `done` or the spin window elapsed.
     async fn spin_until(&self, mut done: impl FnMut() -> bool) {
-        if self.busy_poll.is_zero() {
+        let window = self.spin.window();
+        if window.is_zero() {
             return;
         }
         let start = Instant::now();
         while !done() {
-            if self.poll_once(false).is_err() || start.elapsed() >= self.busy_poll {
+            if self.poll_once(false).is_err() || start.elapsed() >= window {
                 return;
             }
             // let other tasks of this runtime run (an in-process peer, say)
@@ -561,7 +564,7 @@ impl RdmaConnection {
             cq: Arc::clone(&cq),
             poll_lock: Mutex::new(Vec::with_capacity(64)),
             recv_tx,
-            busy_poll: opts.busy_poll,
+            spin: SpinWindow::new(opts.busy_poll, opts.busy_poll_max),
             state: Mutex::new(State::default()),
             send_pool: Mutex::new(Vec::with_capacity(send_slots)),
             send_permits: Arc::new(Semaphore::new(send_slots)),
@@ -1038,12 +1041,71 @@ impl SendCompletion {
     }
 }
 
+/// How long a connection keeps polling its CQ after the last completion before it arms the CQ
+/// and sleeps ([`RdmaOptions::busy_poll`], [`RdmaOptions::busy_poll_max`]).
+///
+/// Twice the longest recent gap between two completions (a decaying maximum: it loses an eighth
+/// at each completion), within `[floor, ceiling]`; gaps above the ceiling are idle time and
+/// change nothing. A connection in a call-and-answer rhythm thus keeps polling across its own
+/// round trip, whatever the fabric's, and an idle one sleeps after at most `ceiling`. With
+/// `ceiling <= floor` the window is `floor`, fixed.
+struct SpinWindow {
+    floor: u64,
+    ceiling: u64,
+    base: Instant,
+    /// nanoseconds from `base` to the last completion
+    last: AtomicU64,
+    /// the decaying maximum of recent gaps, in nanoseconds
+    gap: AtomicU64,
+}
+
+impl SpinWindow {
+    fn new(floor: Duration, ceiling: Duration) -> SpinWindow {
+        let ns = |d: Duration| u64::try_from(d.as_nanos()).unwrap_or(u64::MAX);
+        SpinWindow {
+            floor: ns(floor),
+            ceiling: ns(ceiling),
+            base: Instant::now(),
+            last: AtomicU64::new(0),
+            gap: AtomicU64::new(0),
+        }
+    }
+
+    /// Nanoseconds since `base`.
+    fn now(&self) -> u64 {
+        u64::try_from(self.base.elapsed().as_nanos()).unwrap_or(u64::MAX)
+    }
+
+    /// Completions were found at `now` (nanoseconds since `base`). Called under the poll lock,
+    /// so the relaxed loads and stores do not race with each other.
+    fn on_completions(&self, now: u64) {
+        let gap = now.saturating_sub(self.last.swap(now, Ordering::Relaxed));
+        if self.ceiling > self.floor && gap <= self.ceiling {
+            let old = self.gap.load(Ordering::Relaxed);
+            self.gap.store(gap.max(old - old / 8), Ordering::Relaxed);
+        }
+    }
+
+    /// The current window.
+    fn window(&self) -> Duration {
+        let ns = if self.ceiling <= self.floor {
+            self.floor
+        } else {
+            self.gap
+                .load(Ordering::Relaxed)
+                .saturating_mul(2)
+                .clamp(self.floor, self.ceiling)
+        };
+        Duration::from_nanos(ns)
+    }
+}
+
 /// Lets the runtime's other ready tasks run once, then resumes: one turn of a spin loop.
 ///
 /// Unlike [`tokio::task::yield_now`], which defers the wake-up until the worker has polled its
 /// I/O driver (an `epoll_wait` system call on every turn), this puts the task back at the end
 /// of the run queue at once; the worker still polls its driver every few dozen tasks. A spin
-/// that lasts at most `busy_poll` therefore costs no system call per turn.
+/// that lasts at most the spin window therefore costs no system call per turn.
 fn spin_yield() -> impl std::future::Future<Output = ()> {
     let mut yielded = false;
     std::future::poll_fn(move |cx| {
@@ -1067,11 +1129,11 @@ async fn drive(
     let cq = Arc::clone(&afd.get_ref().0);
     let mut cm_open = true;
     loop {
-        // Keep polling while completions keep coming, and for `busy_poll` after the last one,
+        // Keep polling while completions keep coming, and for the spin window after the last one,
         // before arming: an armed CQ costs the provider work per completion (rxe schedules a
         // tasklet for every event) and us a wake-up, an event read and a re-arm, each a system
         // call. Busy traffic therefore never arms the CQ; an idle connection arms it after
-        // `busy_poll` and sleeps.
+        // the spin window and sleeps.
         let mut last = Instant::now();
         loop {
             match shared.poll_once(true) {
@@ -1086,7 +1148,7 @@ async fn drive(
                     Err(mpsc::error::TryRecvError::Disconnected) => cm_open = false,
                 }
             }
-            if last.elapsed() >= shared.busy_poll {
+            if last.elapsed() >= shared.spin.window() {
                 break;
             }
             spin_yield().await;
@@ -1639,6 +1701,59 @@ impl RemoteToken {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    const US: u64 = 1_000;
+
+    #[test]
+    fn spin_window_follows_the_round_trip_within_its_bounds() {
+        let w = SpinWindow::new(Duration::from_micros(50), Duration::from_millis(1));
+        assert_eq!(w.window(), Duration::from_micros(50), "starts at the floor");
+        // a call-and-answer rhythm: a send completion soon after each answer, then the answer
+        // one round trip (300 µs) later
+        let mut t = 10_000 * US;
+        for _ in 0..20 {
+            t += 10 * US;
+            w.on_completions(t);
+            t += 300 * US;
+            w.on_completions(t);
+        }
+        let win = w.window();
+        assert!(
+            win >= Duration::from_micros(600) && win <= Duration::from_micros(700),
+            "twice the round trip, give or take the decay: {win:?}"
+        );
+        // back-to-back completions: the window decays to the floor
+        for _ in 0..200 {
+            t += US;
+            w.on_completions(t);
+        }
+        assert_eq!(w.window(), Duration::from_micros(50));
+        // a gap above the ceiling is idle time: it changes nothing
+        t += 5_000 * US;
+        w.on_completions(t);
+        assert_eq!(w.window(), Duration::from_micros(50));
+        // a slow round trip is capped at the ceiling
+        t += 900 * US;
+        w.on_completions(t);
+        assert_eq!(w.window(), Duration::from_millis(1));
+    }
+
+    #[test]
+    fn spin_window_is_fixed_when_the_ceiling_is_not_above_the_floor() {
+        for (floor, ceiling) in [(2000, 2000), (2000, 0), (0, 0)] {
+            let w = SpinWindow::new(Duration::from_micros(floor), Duration::from_micros(ceiling));
+            let mut t = 0;
+            for _ in 0..10 {
+                t += 700 * US;
+                w.on_completions(t);
+            }
+            assert_eq!(
+                w.window(),
+                Duration::from_micros(floor),
+                "{floor}/{ceiling}"
+            );
+        }
+    }
 
     #[test]
     fn remote_token_round_trip() {

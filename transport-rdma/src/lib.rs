@@ -3,7 +3,9 @@
 //! Connections are reliable-connected queue pairs set up with rdma_cm. Small messages go by SEND
 //! into receive slots the peer posted in advance; large data by one-sided RDMA WRITE / READ of
 //! registered buffers. Completions reach tokio through the completion channel's fd (`AsyncFd`),
-//! after a short busy-poll.
+//! after a busy-poll whose window follows the connection's round trip
+//! ([`RdmaOptions::busy_poll`], [`RdmaOptions::busy_poll_max`]): a connection whose calls follow
+//! each other keeps polling across its round trip, an idle one sleeps.
 //!
 //! rdma-core is loaded at run time: where it is missing, or there is no RDMA device, every entry
 //! point returns [`RdmaError::Unavailable`] (never a panic), so one binary serves TCP anywhere.
@@ -194,9 +196,15 @@ pub struct RdmaOptions {
     pub send_slots: usize,
     /// size of a slot: the largest message
     pub slot_size: usize,
-    /// how long the completion driver keeps polling after activity before it sleeps on the
-    /// completion channel (0: never spin)
+    /// how long the completion driver keeps polling after the last completion before it sleeps
+    /// on the completion channel, at least (0: never spin); see `busy_poll_max`
     pub busy_poll: Duration,
+    /// the longest it keeps polling: between `busy_poll` and this, the window is twice the
+    /// longest recent gap between the connection's completions (in a call-and-answer rhythm,
+    /// its round trip), so a connection keeps polling across its own round trip on any fabric
+    /// and an idle one sleeps after at most this long. At or below `busy_poll`: a fixed window
+    /// of `busy_poll`
+    pub busy_poll_max: Duration,
     /// limit for address/route resolution and connection establishment
     pub connect_timeout: Duration,
     /// if set, connections must run on this RDMA device (e.g. `rxe0`), else they fail
@@ -236,6 +244,7 @@ impl Default for RdmaOptions {
             // 8 KiB eager messages (rpc-core's default threshold) plus packet headers
             slot_size: 16 * 1024,
             busy_poll: Duration::from_micros(50),
+            busy_poll_max: Duration::from_millis(1),
             connect_timeout: Duration::from_secs(10),
             device: None,
             push_up_to: DEFAULT_PUSH_UP_TO,

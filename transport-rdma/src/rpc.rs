@@ -85,7 +85,8 @@ fn effective(opts: &RdmaOptions, config: &Config) -> RdmaOptions {
 
 impl RdmaOptions {
     /// The defaults with an `rdma://` endpoint's transport options applied: `device=NAME`,
-    /// `busy_poll=0|1` (off, or the default spin), `busy_poll_us=N`, `recv_slots=N`,
+    /// `busy_poll=0|1` (off, or the default spin), `busy_poll_us=N` (a fixed spin window),
+    /// `busy_poll_max_us=N` (the adaptive window's ceiling), `recv_slots=N`,
     /// `slot_size=N` (both sides must agree on these two), `srq_slots=N` (a server's shared
     /// receive queue), `push_up_to=N` or
     /// `rendezvous=pull|push` (see [`RdmaOptions::push_up_to`]), `max_fallback_bytes=N`.
@@ -101,7 +102,10 @@ impl RdmaOptions {
             match k {
                 "device" => o.device = Some(v.to_string()),
                 "busy_poll" => match v {
-                    "0" | "false" | "off" => o.busy_poll = std::time::Duration::ZERO,
+                    "0" | "false" | "off" => {
+                        o.busy_poll = std::time::Duration::ZERO;
+                        o.busy_poll_max = std::time::Duration::ZERO;
+                    }
                     "1" | "true" | "on" | "" => {}
                     _ => {
                         return Err(RdmaError::InvalidArgument(format!(
@@ -109,7 +113,14 @@ impl RdmaOptions {
                         )))
                     }
                 },
-                "busy_poll_us" => o.busy_poll = std::time::Duration::from_micros(num(k, v)?),
+                "busy_poll_us" => {
+                    // a fixed window
+                    o.busy_poll = std::time::Duration::from_micros(num(k, v)?);
+                    o.busy_poll_max = o.busy_poll;
+                }
+                "busy_poll_max_us" => {
+                    o.busy_poll_max = std::time::Duration::from_micros(num(k, v)?)
+                }
                 "recv_slots" => o.recv_slots = num(k, v)? as usize,
                 "push_up_to" => o.push_up_to = num(k, v)?,
                 "max_fallback_bytes" => o.max_fallback_bytes = num(k, v)?,
@@ -1454,5 +1465,40 @@ impl rpc_core::Listener for RdmaRpcListener {
             push_up_to: self.push_up_to,
             max_fallback_bytes: self.max_fallback_bytes,
         })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::time::Duration;
+
+    fn opts(query: &str) -> RdmaOptions {
+        let ep: rpc_core::Endpoint = format!("rdma://h:1?{query}").parse().expect("endpoint");
+        RdmaOptions::from_endpoint(&ep).expect("options")
+    }
+
+    #[test]
+    fn spin_options_from_the_endpoint() {
+        let d = RdmaOptions::default();
+        assert!(d.busy_poll < d.busy_poll_max, "the default window adapts");
+        let o = opts("busy_poll_us=2000");
+        assert_eq!(
+            (o.busy_poll, o.busy_poll_max),
+            (Duration::from_millis(2), Duration::from_millis(2))
+        );
+        let o = opts("busy_poll=0");
+        assert_eq!(
+            (o.busy_poll, o.busy_poll_max),
+            (Duration::ZERO, Duration::ZERO)
+        );
+        let o = opts("busy_poll_max_us=300");
+        assert_eq!(
+            (o.busy_poll, o.busy_poll_max),
+            (d.busy_poll, Duration::from_micros(300))
+        );
+        assert!(
+            RdmaOptions::from_endpoint(&"rdma://h:1?busy_poll_max_us=x".parse().unwrap()).is_err()
+        );
     }
 }

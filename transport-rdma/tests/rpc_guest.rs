@@ -597,6 +597,75 @@ fn rss_kib() -> u64 {
         .expect("VmRSS in /proc/self/status")
 }
 
+/// CPU time this process has used (user and system), from `/proc/self/stat` (in USER_HZ ticks,
+/// which are 10 ms on Linux).
+fn cpu_time() -> Duration {
+    let stat = std::fs::read_to_string("/proc/self/stat").expect("/proc/self/stat");
+    // the fields after the command name, which is in parentheses and may hold spaces
+    let rest = &stat[stat.rfind(')').expect("comm") + 2..];
+    let f: Vec<&str> = rest.split_whitespace().collect();
+    // fields 14 and 15 of proc(5): utime, stime; `rest` starts at field 3
+    let ticks: u64 = f[11].parse::<u64>().expect("utime") + f[12].parse::<u64>().expect("stime");
+    Duration::from_millis(ticks * 10)
+}
+
+/// With the default options, connections poll their completion queue only for a short window
+/// after activity (at most `busy_poll_max`), then sleep on the completion channel: after a
+/// burst of calls, 8 idle connections (both ends in this process) use almost no CPU, and a call
+/// on each still completes, woken by a completion event.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn idle_connections_sleep() {
+    let (dev, addr) = target(20_111);
+    tokio::time::timeout(LIMIT, async move {
+        let config = Config::default();
+        let srv = BlobServer::start(addr, &config, RdmaOptions::default());
+        let mut clients = Vec::new();
+        for _ in 0..8 {
+            let t = RdmaTransport::connect(addr, config.clone(), RdmaOptions::default())
+                .await
+                .expect("connect");
+            clients.push(Client::new(t, config.clone()));
+        }
+        // a burst on each: the spin window adapts to the round trip
+        for (i, c) in clients.iter().enumerate() {
+            for j in 0..100u64 {
+                let d = data(64, j);
+                let back: Payload = c
+                    .call::<Bincode, _, _>(ECHO, "Blob.echo", &(Payload::from_owner(d.clone()),))
+                    .await
+                    .unwrap_or_else(|e| panic!("connection {i}, call {j}: {e}"));
+                assert!(back[..] == d[..]);
+            }
+        }
+        // then idle: a spinning connection would take a whole worker (1 s of CPU per second)
+        let (cpu0, t0) = (cpu_time(), Instant::now());
+        tokio::time::sleep(Duration::from_secs(2)).await;
+        let (cpu, wall) = (cpu_time() - cpu0, t0.elapsed());
+        println!(
+            "device {dev}: 8 idle connections, both ends in one process: {} ms of CPU in {} ms",
+            cpu.as_millis(),
+            wall.as_millis()
+        );
+        assert!(
+            cpu * 5 < wall,
+            "idle connections used {cpu:?} of CPU in {wall:?}"
+        );
+        // and every connection still answers, woken from its sleep
+        for (i, c) in clients.iter().enumerate() {
+            let d = data(64, i as u64);
+            let back: Payload = c
+                .call::<Bincode, _, _>(ECHO, "Blob.echo", &(Payload::from_owner(d.clone()),))
+                .await
+                .unwrap_or_else(|e| panic!("connection {i} after idling: {e}"));
+            assert!(back[..] == d[..]);
+        }
+        drop(clients);
+        srv.stop().await;
+    })
+    .await
+    .expect("test timed out");
+}
+
 /// Many idle connections to one server, each with its own registered pools (no shared receive
 /// queue yet): all of them work, and what one costs is measured and bounded, with small pools
 /// (`RdmaOptions::pool_classes`, `recv_slots`; first, while RSS is not yet inflated by freed

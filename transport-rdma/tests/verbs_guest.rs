@@ -157,6 +157,7 @@ fn cm_connect_and_send_recv_ping_pong() {
             .expect("runtime");
             let opts = RdmaOptions {
                 busy_poll: Duration::from_micros(spin),
+                busy_poll_max: Duration::from_micros(spin),
                 ..RdmaOptions::default()
             };
             let label = format!("{threads} thread(s), busy-poll {spin} us");
