@@ -99,6 +99,11 @@ struct Shared {
     write_bufs: Mutex<Option<Arc<PoolRegion>>>,
     /// the layout of each rendezvous region
     pool_classes: Vec<SizeClass>,
+    /// read-exposed regions of one buffer each, for sources and READ sinks larger than the
+    /// rendezvous pool's largest class: registered on first need and kept for reuse, at most
+    /// `large_cap` bytes together (see `RdmaConnection::lease_large`)
+    large: Mutex<Vec<Arc<PoolRegion>>>,
+    large_cap: u64,
     monitor: PoolMonitor,
     /// the connection's part of its listener's shared receive queue, if it uses one (last:
     /// its window goes back to the budget once the QP is gone)
@@ -574,6 +579,8 @@ impl RdmaConnection {
             read_bufs: Mutex::new(None),
             write_bufs: Mutex::new(None),
             pool_classes: opts.pool_classes.clone(),
+            large: Mutex::new(Vec::new()),
+            large_cap: opts.large_buffer_bytes,
             monitor,
             srq_share,
         });
@@ -709,8 +716,62 @@ impl RdmaConnection {
 
     /// Lends a rendezvous buffer of `len` bytes for `use_` from the connection's registered
     /// region for it (see [`PoolUse`]).
+    ///
+    /// A source or READ sink larger than the pool's largest class comes from a region of its
+    /// own, kept for the next one (see [`RdmaOptions::large_buffer_bytes`]); `None` when the
+    /// pool is exhausted, or those regions are all busy and no more may be registered.
     pub(crate) fn lease_buffer(&self, len: usize, use_: PoolUse) -> Option<PoolBuf> {
-        PoolRegion::lease(&self.rendezvous_pool(use_)?, len)
+        if let Some(buf) = PoolRegion::lease(&self.rendezvous_pool(use_)?, len) {
+            return Some(buf);
+        }
+        let largest = self.shared.pool_classes.iter().map(|c| c.size).max();
+        if use_ == PoolUse::PushGrant || largest.is_some_and(|l| len <= l) {
+            return None;
+        }
+        self.lease_large(len)
+    }
+
+    /// A buffer of `len` bytes from a large region: a free one that fits, else a new region of
+    /// `len` rounded up to a power of two, after dropping free ones (smallest first) to stay
+    /// within `large_cap`.
+    fn lease_large(&self, len: usize) -> Option<PoolBuf> {
+        let mut large = lock(&self.shared.large);
+        if let Some(buf) = large.iter().find_map(|r| PoolRegion::lease(r, len)) {
+            return Some(buf);
+        }
+        let size = len.checked_next_power_of_two()?;
+        let cap = self.shared.large_cap;
+        if size as u64 > cap {
+            return None;
+        }
+        let mut total: u64 = large.iter().map(|r| r.len() as u64).sum();
+        while total + size as u64 > cap {
+            // a region no buffer is leased from (the list holds the only reference): nothing
+            // uses it, neither we nor the device, so it may be deregistered
+            let free = large
+                .iter()
+                .enumerate()
+                .filter(|(_, r)| Arc::strong_count(r) == 1)
+                .min_by_key(|(_, r)| r.len())
+                .map(|(i, _)| i)?;
+            total -= large.swap_remove(free).len() as u64;
+        }
+        let class = SizeClass { size, count: 1 };
+        let region = layout(&[class]).and_then(|pool| {
+            PoolRegion::new(self.shared.qp.device(), pool, PoolAccess::RemoteRead)
+        });
+        match region {
+            Ok(r) => {
+                self.shared.monitor.track(&r);
+                let buf = PoolRegion::lease(&r, len);
+                large.push(r);
+                buf
+            }
+            Err(e) => {
+                tracing::warn!("transport-rdma: registering a {size}-byte buffer failed: {e}");
+                None
+            }
+        }
     }
 
     /// If `bytes` are a view into this connection's read-exposed rendezvous region (a payload
@@ -720,7 +781,14 @@ impl RdmaConnection {
     pub(crate) fn pool_address_of(&self, bytes: &[u8]) -> Option<(u64, u32)> {
         let bufs = lock(&self.shared.read_bufs);
         let r = bufs.as_ref()?;
-        r.address_of(bytes).map(|a| (a, r.rkey()))
+        if let Some(a) = r.address_of(bytes) {
+            return Some((a, r.rkey()));
+        }
+        drop(bufs);
+        let large = lock(&self.shared.large);
+        large
+            .iter()
+            .find_map(|r| r.address_of(bytes).map(|a| (a, r.rkey())))
     }
 
     /// RDMA READ of `len` bytes of the peer's exposed buffer into pool buffer `buf`, handed back

@@ -30,9 +30,12 @@
 //!   exposed as it is) and sinks of the peer's (the RDMA READ lands in a pool buffer, and the
 //!   received [`rpc_core::Payload`] is a view of it, returned to the pool when dropped); for
 //!   push transfers, the sources we RDMA-WRITE from and the buffers we grant the peer to
-//!   write into (delivered as views in the same way). When
-//!   the pool cannot lend (exhausted, or an attachment larger than the largest class) a buffer
-//!   is registered for that transfer alone rather than waiting (two peers waiting for each
+//!   write into (delivered as views in the same way). A pull source or READ sink larger
+//!   than the pool's largest class gets a read-exposed region of its own (its size rounded up
+//!   to a power of two), kept for the next such attachment, up to
+//!   [`RdmaOptions::large_buffer_bytes`] per connection (free ones are dropped to make room).
+//!   When the pool cannot lend (exhausted, or a large attachment finds no kept region and no
+//!   room for one) a buffer is registered for that transfer alone rather than waiting (two peers waiting for each
 //!   other's `Fin` could deadlock); [`PoolCounts::fallback_registrations`] counts those. The
 //!   ones registered for the peer's transfers into us (pull sinks, push grants, until the
 //!   payloads received in them are dropped) are bounded per connection by
@@ -183,6 +186,10 @@ pub fn is_available() -> bool {
 /// on siw.
 pub const DEFAULT_PUSH_UP_TO: u64 = 0;
 
+/// The default of [`RdmaOptions::large_buffer_bytes`]: 64 MiB (two 16 MiB transfers each way,
+/// or one 64 MiB).
+pub const DEFAULT_LARGE_BUFFER_BYTES: u64 = 64 << 20;
+
 /// The default of [`RdmaOptions::max_fallback_bytes`]: 256 MiB (raised to the config's
 /// `max_message_size`, 1 GiB by default).
 pub const DEFAULT_MAX_FALLBACK_BYTES: u64 = 256 << 20;
@@ -234,6 +241,13 @@ pub struct RdmaOptions {
     /// longer free. The connections then share one protection domain (see the crate docs,
     /// "Shared receive queue", for what that costs). Ignored by `connect`.
     pub srq_slots: usize,
+    /// Registered memory, per connection, kept for attachments larger than the rendezvous
+    /// pool's largest class (pull sources and READ sinks): such an attachment gets a buffer of
+    /// its size rounded up to a power of two, registered on first need and reused by the next
+    /// ones, so steady large transfers register nothing. Beyond this many bytes (all in use),
+    /// a transfer registers a buffer for itself (`PoolCounts::fallback_registrations`). 0: never
+    /// keep one.
+    pub large_buffer_bytes: u64,
 }
 
 impl Default for RdmaOptions {
@@ -250,6 +264,7 @@ impl Default for RdmaOptions {
             push_up_to: DEFAULT_PUSH_UP_TO,
             max_fallback_bytes: DEFAULT_MAX_FALLBACK_BYTES,
             srq_slots: 0,
+            large_buffer_bytes: DEFAULT_LARGE_BUFFER_BYTES,
             // 15 MiB per connection
             pool_classes: vec![
                 SizeClass {

@@ -35,8 +35,8 @@
 //! queue grants less, and more on demand: see the crate docs).
 //!
 //! Not done yet: RDMA READs/WRITEs of one message in parallel, waiting for a pool buffer
-//! instead of registering one when the pool is exhausted, splitting attachments larger than
-//! the pool's largest class over several buffers.
+//! instead of registering one when the pool is exhausted (attachments larger than the pool's
+//! largest class use kept regions of their own, see the crate docs).
 
 use std::collections::HashMap;
 use std::io;
@@ -89,7 +89,8 @@ impl RdmaOptions {
     /// `busy_poll_max_us=N` (the adaptive window's ceiling), `recv_slots=N`,
     /// `slot_size=N` (both sides must agree on these two), `srq_slots=N` (a server's shared
     /// receive queue), `push_up_to=N` or
-    /// `rendezvous=pull|push` (see [`RdmaOptions::push_up_to`]), `max_fallback_bytes=N`.
+    /// `rendezvous=pull|push` (see [`RdmaOptions::push_up_to`]), `max_fallback_bytes=N`,
+    /// `large_buffer_bytes=N`.
     /// Other options are ignored.
     pub fn from_endpoint(ep: &rpc_core::Endpoint) -> Result<RdmaOptions, RdmaError> {
         let mut o = RdmaOptions::default();
@@ -124,6 +125,7 @@ impl RdmaOptions {
                 "recv_slots" => o.recv_slots = num(k, v)? as usize,
                 "push_up_to" => o.push_up_to = num(k, v)?,
                 "max_fallback_bytes" => o.max_fallback_bytes = num(k, v)?,
+                "large_buffer_bytes" => o.large_buffer_bytes = num(k, v)?,
                 "rendezvous" => {
                     o.push_up_to = match v {
                         "pull" => 0,

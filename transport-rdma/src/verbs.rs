@@ -1601,6 +1601,11 @@ impl PoolRegion {
         self.mr.rkey()
     }
 
+    /// The registered bytes.
+    pub(crate) fn len(&self) -> usize {
+        self.len
+    }
+
     /// If `bytes` lie inside this region and the region lets the peer READ them (and nothing
     /// more), their address (for the peer): then they are (part of) a frozen view handed out by
     /// this region, kept alive by whoever holds `bytes`.

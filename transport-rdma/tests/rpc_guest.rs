@@ -597,6 +597,102 @@ fn rss_kib() -> u64 {
         .expect("VmRSS in /proc/self/status")
 }
 
+/// Attachments larger than the rendezvous pool's largest class (4 MiB by default) get
+/// registered buffers that are kept for the next ones (`RdmaOptions::large_buffer_bytes`): a
+/// run of 16 MiB and 32 MiB echoes, one at a time and two at once, registers nothing per
+/// transfer on either side, stays within the bound, and gives every buffer back; with the
+/// bound at 0 each such transfer registers a buffer of its own, as before.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn large_attachments_reuse_registered_buffers() {
+    let (dev, addr) = target(20_181);
+    tokio::time::timeout(LIMIT, async move {
+        let config = Config::default();
+        let srv = BlobServer::start(addr, &config, RdmaOptions::default());
+        let server_pools = srv.pools.clone();
+        let transport = RdmaTransport::connect(addr, config.clone(), RdmaOptions::default())
+            .await
+            .expect("connect");
+        let pools = transport.pool_monitor();
+        let posted = RdmaOptions::default().recv_slots as u64;
+        let client = Client::new(transport, config.clone());
+        let echo = |client: Client, len: usize, seed: u64| async move {
+            let d = data(len, seed);
+            let back: Payload = client
+                .call::<Bincode, _, _>(ECHO, "Blob.echo", &(Payload::from_owner(d.clone()),))
+                .await
+                .unwrap_or_else(|e| panic!("echo of {len} B: {e}"));
+            assert!(
+                back.len() == d.len() && back[..] == d[..],
+                "echo of {len} B differs"
+            );
+        };
+        let t0 = Instant::now();
+        for i in 0..4 {
+            echo(client.clone(), 16 << 20, i).await;
+        }
+        futures::future::join(
+            echo(client.clone(), 16 << 20, 10),
+            echo(client.clone(), 16 << 20, 11),
+        )
+        .await;
+        echo(client.clone(), 32 << 20, 12).await;
+        println!(
+            "device {dev}: 6 echoes of 16 MiB and one of 32 MiB in {:.0} ms",
+            t0.elapsed().as_secs_f64() * 1e3
+        );
+        let base = 16u64 << 20; // receive slots (1 MiB) and the rendezvous pool (15 MiB)
+        for (side, mon) in [("client", &pools), ("server", &server_pools)] {
+            let c = settle(side, mon, |c| c.outstanding() == posted).await;
+            println!("device {dev}: {side} after the large echoes: {c:?}");
+            assert_eq!(
+                c.fallback_registrations, 0,
+                "{side}: a transfer registered a buffer: {c:?}"
+            );
+            assert!(
+                c.registered_bytes <= base + transport_rdma::DEFAULT_LARGE_BUFFER_BYTES,
+                "{side}: {} bytes registered",
+                c.registered_bytes
+            );
+        }
+        drop(client);
+        settle("client closed", &pools, |c| {
+            c.outstanding() == 0 && c.live_regions == 0
+        })
+        .await;
+
+        // the bound at 0: every large transfer registers its own buffer
+        let opts = RdmaOptions {
+            large_buffer_bytes: 0,
+            ..RdmaOptions::default()
+        };
+        let transport = RdmaTransport::connect(addr, config.clone(), opts)
+            .await
+            .expect("connect");
+        let pools = transport.pool_monitor();
+        let client = Client::new(transport, config.clone());
+        for i in 0..2 {
+            echo(client.clone(), 16 << 20, 20 + i).await;
+        }
+        let c = settle("bound 0", &pools, |c| c.outstanding() == posted).await;
+        assert_eq!(
+            c.fallback_registrations, 4,
+            "a registration for each source and sink: {c:?}"
+        );
+        drop(client);
+        settle("second client closed", &pools, |c| {
+            c.outstanding() == 0 && c.live_regions == 0
+        })
+        .await;
+        srv.stop().await;
+        settle("server stopped", &server_pools, |c| {
+            c.outstanding() == 0 && c.live_regions == 0
+        })
+        .await;
+    })
+    .await
+    .expect("test timed out");
+}
+
 /// CPU time this process has used (user and system), from `/proc/self/stat` (in USER_HZ ticks,
 /// which are 10 ms on Linux).
 fn cpu_time() -> Duration {
@@ -886,6 +982,9 @@ async fn fallback_budget_bounds_registered_memory() {
             let server_opts = RdmaOptions {
                 pool_classes: vec![transport_rdma::SizeClass { size: 64 << 10, count: 2 }],
                 max_fallback_bytes: budget,
+                // no kept large buffers: every attachment above the 64 KiB class registers
+                // (those are bounded on their own, see large_attachments_reuse_registered_buffers)
+                large_buffer_bytes: 0,
                 push_up_to,
                 ..RdmaOptions::default()
             };
