@@ -94,6 +94,8 @@ impl RdmaOptions {
     /// Other options are ignored.
     pub fn from_endpoint(ep: &rpc_core::Endpoint) -> Result<RdmaOptions, RdmaError> {
         let mut o = RdmaOptions::default();
+        // an explicit ceiling wins over the one `busy_poll_us` and `busy_poll` imply, in any order
+        let mut max = None;
         let num = |k: &str, v: &str| {
             v.parse::<u64>().map_err(|_| {
                 RdmaError::InvalidArgument(format!("endpoint option {k}={v}: not a number"))
@@ -119,9 +121,7 @@ impl RdmaOptions {
                     o.busy_poll = std::time::Duration::from_micros(num(k, v)?);
                     o.busy_poll_max = o.busy_poll;
                 }
-                "busy_poll_max_us" => {
-                    o.busy_poll_max = std::time::Duration::from_micros(num(k, v)?)
-                }
+                "busy_poll_max_us" => max = Some(std::time::Duration::from_micros(num(k, v)?)),
                 "recv_slots" => o.recv_slots = num(k, v)? as usize,
                 "push_up_to" => o.push_up_to = num(k, v)?,
                 "max_fallback_bytes" => o.max_fallback_bytes = num(k, v)?,
@@ -141,6 +141,9 @@ impl RdmaOptions {
                 "srq_slots" => o.srq_slots = num(k, v)? as usize,
                 _ => {}
             }
+        }
+        if let Some(max) = max {
+            o.busy_poll_max = max;
         }
         Ok(o)
     }
@@ -1499,6 +1502,18 @@ mod tests {
             (o.busy_poll, o.busy_poll_max),
             (d.busy_poll, Duration::from_micros(300))
         );
+        // an explicit ceiling holds whichever option comes first
+        for q in [
+            "busy_poll_us=100&busy_poll_max_us=900",
+            "busy_poll_max_us=900&busy_poll_us=100",
+        ] {
+            let o = opts(q);
+            assert_eq!(
+                (o.busy_poll, o.busy_poll_max),
+                (Duration::from_micros(100), Duration::from_micros(900)),
+                "{q}"
+            );
+        }
         assert!(
             RdmaOptions::from_endpoint(&"rdma://h:1?busy_poll_max_us=x".parse().unwrap()).is_err()
         );
