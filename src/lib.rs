@@ -66,8 +66,8 @@ use std::sync::Arc;
 use std::time::Duration;
 
 pub use rpc_core::{
-    Codec, CodecError, Config, ConfigError, Endpoint, EndpointParseError, Payload, RpcError,
-    Scheme, Secret, ServerError, ServerErrorKind, ShutdownHandle,
+    Codec, CodecError, Config, ConfigError, Endpoint, EndpointParseError, Payload, PayloadMut,
+    RpcError, Scheme, Secret, ServerError, ServerErrorKind, ShutdownHandle,
 };
 pub use rpc_macros::rdma_service;
 /// Counters of registered RDMA buffer pools ([`Server::rdma_pools`], [`Client::rdma_pools`]).
@@ -332,6 +332,30 @@ impl Client {
     /// The configuration in force.
     pub fn config(&self) -> &Config {
         &self.conn.config
+    }
+
+    /// A buffer of `len` bytes to fill in place and send as a [`Payload`]
+    /// ([`PayloadMut::freeze`]) without a copy: over RDMA it is a buffer of the current
+    /// connection's registered pool, which the server then reads straight from (each copy
+    /// counts in `PoolCounts::copied_bytes`); over TCP, or when that pool has no buffer free
+    /// or the client is not connected, it is zeroed heap memory, sent as any payload is. A
+    /// lent buffer's bytes are not zeroed: write all of them. Sent on a later connection (after
+    /// a reconnection) it is copied like heap memory. It goes back to the pool when the last
+    /// clone of its payload is dropped.
+    ///
+    /// ```no_run
+    /// # async fn f(client: rdma_rpc::Client) {
+    /// let mut block = client.payload_mut(4096);
+    /// block.fill(0xab); // or read a file into it
+    /// let block = block.freeze(); // a `Payload`, to pass to a generated client's method
+    /// # drop(block);
+    /// # }
+    /// ```
+    pub fn payload_mut(&self, len: usize) -> PayloadMut {
+        match self.conn.live() {
+            Some(c) => c.payload_mut(len),
+            None => PayloadMut::zeroed(len),
+        }
     }
 
     /// The counters of the registered buffer pools of every RDMA connection this client made,

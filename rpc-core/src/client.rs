@@ -21,7 +21,7 @@ use tracing::Instrument;
 
 use crate::codec::Codec;
 use crate::conn::{encode_body, KeepAlive, Tick};
-use crate::payload::with_attachments;
+use crate::payload::{with_attachments, PayloadMemory, PayloadMut};
 use crate::transport::Transport;
 use crate::wire::{Header, Kind, Message};
 use crate::{Config, RpcError, ServerError, ServerErrorKind};
@@ -201,6 +201,7 @@ struct Inner {
     state: Arc<State>,
     config: Config,
     peer: String,
+    memory: Option<Arc<dyn PayloadMemory>>,
 }
 
 impl Drop for Inner {
@@ -240,8 +241,9 @@ impl Client {
     pub fn new<T: Transport>(transport: T, config: Config) -> Client {
         let peer = transport.peer();
         let coalesce = transport.coalesce_writes();
+        let memory = transport.payload_memory();
         let (reader, writer) = transport.split();
-        Client::start(reader, writer, peer, config, coalesce)
+        Client::start(reader, writer, peer, config, coalesce, memory)
     }
 
     /// Greets the server (presenting [`Config::auth_token`] if set), waits for its answer
@@ -252,6 +254,7 @@ impl Client {
         use futures::{SinkExt, StreamExt};
         let peer = transport.peer();
         let coalesce = transport.coalesce_writes();
+        let memory = transport.payload_memory();
         let (mut reader, mut writer) = transport.split();
         let token = config
             .auth_token
@@ -290,9 +293,9 @@ impl Client {
                 ))
             })??;
         match answer {
-            Some(m) if m.header.kind == Kind::Hello => {
-                Ok(Client::start(reader, writer, peer, config, coalesce))
-            }
+            Some(m) if m.header.kind == Kind::Hello => Ok(Client::start(
+                reader, writer, peer, config, coalesce, memory,
+            )),
             Some(m) if m.header.kind == Kind::Response && m.header.aux != 0 => {
                 Err(RpcError::Server(ServerError::new(
                     ServerErrorKind::from_code(m.header.aux),
@@ -307,7 +310,14 @@ impl Client {
         }
     }
 
-    fn start<R, W>(reader: R, writer: W, peer: String, config: Config, coalesce: bool) -> Client
+    fn start<R, W>(
+        reader: R,
+        writer: W,
+        peer: String,
+        config: Config,
+        coalesce: bool,
+        memory: Option<Arc<dyn PayloadMemory>>,
+    ) -> Client
     where
         R: Stream<Item = io::Result<Message>> + Send + Unpin + 'static,
         W: Sink<Message, Error = io::Error> + Send + Unpin + 'static,
@@ -328,6 +338,7 @@ impl Client {
                 state,
                 config,
                 peer,
+                memory,
             }),
             timeout: None,
         }
@@ -346,6 +357,19 @@ impl Client {
     /// The timeout of this handle's calls, if any.
     pub fn timeout(&self) -> Option<Duration> {
         self.timeout
+    }
+
+    /// A buffer of `len` bytes to fill in and send as a [`Payload`](crate::Payload)
+    /// ([`PayloadMut::freeze`]): from the connection's registered memory where the transport
+    /// has some (RDMA), so that a payload sent on this connection is not copied on the way
+    /// out; else (TCP, or that memory all in use) zeroed heap memory. Its bytes are not
+    /// zeroed when lent: write all of them.
+    pub fn payload_mut(&self, len: usize) -> PayloadMut {
+        self.inner
+            .memory
+            .as_ref()
+            .and_then(|m| m.lend(len))
+            .unwrap_or_else(|| PayloadMut::zeroed(len))
     }
 
     /// The server's address.

@@ -59,7 +59,7 @@ pub use crate::codec::{Bincode, Codec, CodecError};
 pub use crate::config::{Config, ConfigError, Secret};
 pub use crate::endpoint::{Endpoint, EndpointParseError, Scheme};
 pub use crate::error::{RpcError, ServerError, ServerErrorKind};
-pub use crate::payload::Payload;
+pub use crate::payload::{Payload, PayloadMut};
 pub use crate::server::{Reply, Request, Service, ShutdownHandle};
 pub use crate::transport::{Listener, Transport};
 

@@ -80,6 +80,90 @@ impl Payload {
     }
 }
 
+/// Memory a connection lends for payloads it can send without a copy: on RDMA, buffers of the
+/// connection's registered pool ([`Transport::payload_memory`](crate::Transport::payload_memory)).
+pub trait PayloadMemory: Send + Sync + 'static {
+    /// A buffer of `len` bytes, or `None` when none is free now (the caller then takes heap
+    /// memory, which the transport copies when it sends it).
+    fn lend(&self, len: usize) -> Option<PayloadMut>;
+}
+
+/// A buffer a [`PayloadMemory`] lends: its bytes, and how it becomes a [`Payload`].
+pub trait LentBuffer: Send + 'static {
+    /// The buffer's bytes.
+    fn bytes(&self) -> &[u8];
+    /// The buffer's bytes, to fill in.
+    fn bytes_mut(&mut self) -> &mut [u8];
+    /// The filled buffer as a payload over the same memory (no copy).
+    fn freeze(self: Box<Self>) -> Payload;
+}
+
+/// A payload being filled in place, before it is sent: from a connection's memory
+/// (`Client::payload_mut`), so that the transport sends it without copying it (on RDMA, the
+/// peer reads it straight from this registered buffer), or from the heap.
+///
+/// Its bytes are not zeroed when it comes from a connection's memory (they are what an earlier
+/// transfer left there): write all of them. [`PayloadMut::freeze`] makes it a [`Payload`].
+pub struct PayloadMut(MutInner);
+
+enum MutInner {
+    Heap(Vec<u8>),
+    Lent(Box<dyn LentBuffer>),
+}
+
+impl PayloadMut {
+    /// `len` zeroed bytes on the heap (sent with a copy on RDMA, like any heap payload).
+    pub fn zeroed(len: usize) -> PayloadMut {
+        PayloadMut(MutInner::Heap(vec![0; len]))
+    }
+
+    /// A lent buffer (what a [`PayloadMemory`] returns).
+    pub fn lent(buf: Box<dyn LentBuffer>) -> PayloadMut {
+        PayloadMut(MutInner::Lent(buf))
+    }
+
+    /// Whether the bytes are a connection's lent memory rather than the heap.
+    pub fn is_lent(&self) -> bool {
+        matches!(self.0, MutInner::Lent(_))
+    }
+
+    /// The filled bytes as a payload over the same memory (no copy).
+    pub fn freeze(self) -> Payload {
+        match self.0 {
+            MutInner::Heap(v) => Payload::from(v),
+            MutInner::Lent(b) => b.freeze(),
+        }
+    }
+}
+
+impl Deref for PayloadMut {
+    type Target = [u8];
+    fn deref(&self) -> &[u8] {
+        match &self.0 {
+            MutInner::Heap(v) => v,
+            MutInner::Lent(b) => b.bytes(),
+        }
+    }
+}
+
+impl std::ops::DerefMut for PayloadMut {
+    fn deref_mut(&mut self) -> &mut [u8] {
+        match &mut self.0 {
+            MutInner::Heap(v) => v,
+            MutInner::Lent(b) => b.bytes_mut(),
+        }
+    }
+}
+
+impl fmt::Debug for PayloadMut {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("PayloadMut")
+            .field("len", &self.len())
+            .field("lent", &self.is_lent())
+            .finish()
+    }
+}
+
 impl Deref for Payload {
     type Target = [u8];
     fn deref(&self) -> &[u8] {
@@ -284,6 +368,63 @@ mod tests {
         let back: Bytes = p.clone().into();
         assert_eq!(back.as_ptr(), b.as_ptr());
         assert_eq!(p.slice(1..), [2u8, 3].as_slice());
+    }
+
+    /// A fake lender for these tests: hands out boxed buffers and counts those not yet back.
+    struct FakeLent(Vec<u8>, std::sync::Arc<std::sync::atomic::AtomicUsize>);
+
+    impl AsRef<[u8]> for FakeLent {
+        fn as_ref(&self) -> &[u8] {
+            &self.0
+        }
+    }
+
+    impl Drop for FakeLent {
+        fn drop(&mut self) {
+            self.1.fetch_sub(1, std::sync::atomic::Ordering::SeqCst);
+        }
+    }
+
+    impl LentBuffer for FakeLent {
+        fn bytes(&self) -> &[u8] {
+            &self.0
+        }
+        fn bytes_mut(&mut self) -> &mut [u8] {
+            &mut self.0
+        }
+        fn freeze(self: Box<Self>) -> Payload {
+            Payload::from_owner(*self)
+        }
+    }
+
+    #[test]
+    fn payload_mut_freezes_in_place() {
+        use std::sync::atomic::{AtomicUsize, Ordering};
+        let out = std::sync::Arc::new(AtomicUsize::new(1));
+        let mut m = PayloadMut::lent(Box::new(FakeLent(vec![0xee; 8], out.clone())));
+        assert!(m.is_lent());
+        m.copy_from_slice(b"abcdefgh");
+        let at = m.as_ptr();
+        let p = m.freeze();
+        assert_eq!(p.as_ptr(), at, "freezing copied the bytes");
+        assert_eq!(&*p, b"abcdefgh");
+        let q = p.slice(2..4);
+        drop(p);
+        assert_eq!(out.load(Ordering::SeqCst), 1, "returned while a view lives");
+        drop(q);
+        assert_eq!(out.load(Ordering::SeqCst), 0);
+
+        let mut h = PayloadMut::zeroed(3);
+        assert!(!h.is_lent());
+        assert_eq!(&*h, &[0, 0, 0]);
+        h[1] = 5;
+        let at = h.as_ptr();
+        let p = h.freeze();
+        assert_eq!((p.as_ptr(), &*p), (at, &[0u8, 5, 0][..]));
+        assert_eq!(
+            format!("{:?}", PayloadMut::zeroed(2)),
+            "PayloadMut { len: 2, lent: false }"
+        );
     }
 
     #[test]

@@ -19,9 +19,11 @@
 
 use std::future::Future;
 use std::io;
+use std::sync::Arc;
 
 use futures::{Sink, Stream};
 
+use crate::payload::PayloadMemory;
 use crate::wire::Message;
 
 /// One established connection of some transport.
@@ -42,6 +44,13 @@ pub trait Transport: Send + 'static {
     /// write is a system call (TCP). The default is off.
     fn coalesce_writes(&self) -> bool {
         false
+    }
+
+    /// Memory this connection sends payloads from without a copy, if it has such (RDMA's
+    /// registered pools); [`Client::payload_mut`](crate::Client::payload_mut) lends from it.
+    /// Taken before [`Transport::split`]. The default has none: payloads are heap memory.
+    fn payload_memory(&self) -> Option<Arc<dyn PayloadMemory>> {
+        None
     }
 
     /// Completes the server side of an accepted connection (a TLS handshake, say). Servers

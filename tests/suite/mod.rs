@@ -83,6 +83,7 @@ macro_rules! transport_suite {
     ($ep:ident) => {
         $crate::transport_suite!(@tests $ep;
             round_trip_sizes,
+            lent_payloads,
             frame_at_threshold,
             many_concurrent_calls,
             deadline,
@@ -282,6 +283,43 @@ pub async fn round_trip_sizes(bind: &Endpoint) {
             .expect("echo");
         assert_eq!(back.len(), len, "length of a {len}-byte round trip");
         assert!(back == data, "bytes of a {len}-byte round trip differ");
+    }
+    srv.shutdown.shutdown();
+}
+
+/// Payloads filled in place in memory the client lends (`Client::payload_mut`) come back
+/// byte-exact, inline and by rendezvous, in a pool class and above it. Over RDMA they are
+/// registered buffers, sent without a copy (the client's pool counters count no copied bytes;
+/// the server echoes what it received by pull without one either); over TCP, heap memory.
+pub async fn lent_payloads(bind: &Endpoint) {
+    let srv = start(bind, Config::default()).await;
+    let client = connect(&srv.endpoint).await;
+    let rdma = srv.endpoint.scheme() == rdma_rpc::Scheme::Rdma;
+    for (i, len) in [1, 100 << 10, 1 << 20, 16 << 20].into_iter().enumerate() {
+        let mut buf = client.client().payload_mut(len);
+        assert_eq!(buf.len(), len);
+        assert_eq!(buf.is_lent(), rdma, "{len} B lent by the connection");
+        buf.copy_from_slice(&pattern(len, i as u8));
+        let p = buf.freeze();
+        let back = client.echo(p.clone()).await.expect("echo");
+        assert!(back == p, "bytes of a lent {len}-byte payload differ");
+        let back = client.echo(p.slice(1..)).await.expect("echo of a slice");
+        assert!(
+            back[..] == p[1..],
+            "bytes of a slice of a lent {len}-byte payload differ"
+        );
+    }
+    // (sender-push copies its sources into its pool: only pull sends from where they are)
+    #[cfg(feature = "rdma")]
+    if let Some(pools) = client.client().rdma_pools() {
+        let c = pools.counts();
+        let push = bind
+            .options()
+            .any(|(k, v)| k == "rendezvous" && v == "push");
+        assert!(
+            push || c.copied_bytes == 0,
+            "a lent payload was copied: {c:?}"
+        );
     }
     srv.shutdown.shutdown();
 }

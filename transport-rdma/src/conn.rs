@@ -91,7 +91,7 @@ struct Shared {
     /// receive slots (local access only)
     slots: Arc<PoolRegion>,
     /// the read-exposed rendezvous region (`REMOTE_READ` only): our pull and push sources and
-    /// the sinks of our READs; registered on its first use (see `RdmaConnection::rendezvous_pool`
+    /// the sinks of our READs; registered on its first use (see `Shared::rendezvous_pool`
     /// and `PoolRegion` for what each region exposes)
     read_bufs: Mutex<Option<Arc<PoolRegion>>>,
     /// the write-exposed rendezvous region (`REMOTE_WRITE` only): buffers granted to the
@@ -101,7 +101,7 @@ struct Shared {
     pool_classes: Vec<SizeClass>,
     /// read-exposed regions of one buffer each, for sources and READ sinks larger than the
     /// rendezvous pool's largest class: registered on first need and kept for reuse, at most
-    /// `large_cap` bytes together (see `RdmaConnection::lease_large`)
+    /// `large_cap` bytes together (see `Shared::lease_large`)
     large: Mutex<Vec<Arc<PoolRegion>>>,
     large_cap: u64,
     monitor: PoolMonitor,
@@ -290,7 +290,127 @@ struct State {
     disconnected: bool,
 }
 
+/// A connection's registered memory for the payloads it sends: what
+/// [`RdmaConnection::payload_memory`] gives, for `rpc_core::Client::payload_mut`. A payload
+/// filled in such a buffer is sent by pull from where it is (the peer READs it), with no copy.
+pub(crate) struct SourceMemory(std::sync::Weak<Shared>);
+
+impl rpc_core::payload::PayloadMemory for SourceMemory {
+    fn lend(&self, len: usize) -> Option<rpc_core::PayloadMut> {
+        let shared = self.0.upgrade()?;
+        if lock(&shared.state).closed.is_some() {
+            return None;
+        }
+        let buf = shared.lease_buffer(len, PoolUse::Source)?;
+        Some(rpc_core::PayloadMut::lent(Box::new(buf)))
+    }
+}
+
+impl rpc_core::payload::LentBuffer for PoolBuf {
+    fn bytes(&self) -> &[u8] {
+        PoolBuf::bytes(self)
+    }
+
+    fn bytes_mut(&mut self) -> &mut [u8] {
+        PoolBuf::bytes_mut(self)
+    }
+
+    fn freeze(self: Box<Self>) -> rpc_core::Payload {
+        rpc_core::Payload::from_owner((*self).freeze())
+    }
+}
+
 impl Shared {
+    /// The connection's rendezvous region for `use_`, registered on first use: once per
+    /// connection and region, so that a connection that only ever sends small messages
+    /// registers only its receive slots, and one that never grants a push never registers a
+    /// remotely writable region. `None` if the registration failed (the caller falls back to
+    /// a buffer of its own, which reports the error if registering fails again).
+    fn rendezvous_pool(&self, use_: PoolUse) -> Option<Arc<PoolRegion>> {
+        let (slot, access) = match use_ {
+            PoolUse::Source | PoolUse::PullSink => (&self.read_bufs, PoolAccess::RemoteRead),
+            PoolUse::PushGrant => (&self.write_bufs, PoolAccess::RemoteWrite),
+        };
+        let mut bufs = lock(slot);
+        if let Some(r) = &*bufs {
+            return Some(Arc::clone(r));
+        }
+        let region = layout(&self.pool_classes)
+            .and_then(|pool| PoolRegion::new(self.qp.device(), pool, access));
+        match region {
+            Ok(r) => {
+                self.monitor.track(&r);
+                *bufs = Some(Arc::clone(&r));
+                Some(r)
+            }
+            Err(e) => {
+                tracing::warn!(
+                    "transport-rdma: registering the rendezvous pool ({access:?}) failed: {e}"
+                );
+                None
+            }
+        }
+    }
+
+    /// Lends a rendezvous buffer of `len` bytes for `use_` from the connection's registered
+    /// region for it (see [`PoolUse`]).
+    ///
+    /// A source or READ sink larger than the pool's largest class comes from a region of its
+    /// own, kept for the next one (see [`RdmaOptions::large_buffer_bytes`]); `None` when the
+    /// pool is exhausted, or those regions are all busy and no more may be registered.
+    fn lease_buffer(&self, len: usize, use_: PoolUse) -> Option<PoolBuf> {
+        if let Some(buf) = PoolRegion::lease(&self.rendezvous_pool(use_)?, len) {
+            return Some(buf);
+        }
+        let largest = self.pool_classes.iter().map(|c| c.size).max();
+        if use_ == PoolUse::PushGrant || largest.is_some_and(|l| len <= l) {
+            return None;
+        }
+        self.lease_large(len)
+    }
+
+    /// A buffer of `len` bytes from a large region: a free one that fits, else a new region of
+    /// `len` rounded up to a power of two, after dropping free ones (smallest first) to stay
+    /// within `large_cap`.
+    fn lease_large(&self, len: usize) -> Option<PoolBuf> {
+        let mut large = lock(&self.large);
+        if let Some(buf) = large.iter().find_map(|r| PoolRegion::lease(r, len)) {
+            return Some(buf);
+        }
+        let size = len.checked_next_power_of_two()?;
+        let cap = self.large_cap;
+        if size as u64 > cap {
+            return None;
+        }
+        let mut total: u64 = large.iter().map(|r| r.len() as u64).sum();
+        while total + size as u64 > cap {
+            // a region no buffer is leased from (the list holds the only reference): nothing
+            // uses it, neither we nor the device, so it may be deregistered
+            let free = large
+                .iter()
+                .enumerate()
+                .filter(|(_, r)| Arc::strong_count(r) == 1)
+                .min_by_key(|(_, r)| r.len())
+                .map(|(i, _)| i)?;
+            total -= large.swap_remove(free).len() as u64;
+        }
+        let class = SizeClass { size, count: 1 };
+        let region = layout(&[class])
+            .and_then(|pool| PoolRegion::new(self.qp.device(), pool, PoolAccess::RemoteRead));
+        match region {
+            Ok(r) => {
+                self.monitor.track(&r);
+                let buf = PoolRegion::lease(&r, len);
+                large.push(r);
+                buf
+            }
+            Err(e) => {
+                tracing::warn!("transport-rdma: registering a {size}-byte buffer failed: {e}");
+                None
+            }
+        }
+    }
+
     /// Polls the CQ and dispatches what it finds, unless another task is doing it (then 0).
     /// `Err` when polling failed (the connection is then failed).
     fn poll_once(&self, wait: bool) -> Result<usize, RdmaError> {
@@ -683,95 +803,16 @@ impl RdmaConnection {
         self.shared.monitor.clone()
     }
 
-    /// The connection's rendezvous region for `use_`, registered on first use: once per
-    /// connection and region, so that a connection that only ever sends small messages
-    /// registers only its receive slots, and one that never grants a push never registers a
-    /// remotely writable region. `None` if the registration failed (the caller falls back to
-    /// a buffer of its own, which reports the error if registering fails again).
-    fn rendezvous_pool(&self, use_: PoolUse) -> Option<Arc<PoolRegion>> {
-        let (slot, access) = match use_ {
-            PoolUse::Source | PoolUse::PullSink => (&self.shared.read_bufs, PoolAccess::RemoteRead),
-            PoolUse::PushGrant => (&self.shared.write_bufs, PoolAccess::RemoteWrite),
-        };
-        let mut bufs = lock(slot);
-        if let Some(r) = &*bufs {
-            return Some(Arc::clone(r));
-        }
-        let region = layout(&self.shared.pool_classes)
-            .and_then(|pool| PoolRegion::new(self.shared.qp.device(), pool, access));
-        match region {
-            Ok(r) => {
-                self.shared.monitor.track(&r);
-                *bufs = Some(Arc::clone(&r));
-                Some(r)
-            }
-            Err(e) => {
-                tracing::warn!(
-                    "transport-rdma: registering the rendezvous pool ({access:?}) failed: {e}"
-                );
-                None
-            }
-        }
-    }
-
-    /// Lends a rendezvous buffer of `len` bytes for `use_` from the connection's registered
-    /// region for it (see [`PoolUse`]).
-    ///
-    /// A source or READ sink larger than the pool's largest class comes from a region of its
-    /// own, kept for the next one (see [`RdmaOptions::large_buffer_bytes`]); `None` when the
-    /// pool is exhausted, or those regions are all busy and no more may be registered.
+    /// Lends a rendezvous buffer of `len` bytes for `use_` (see [`Shared::lease_buffer`]).
     pub(crate) fn lease_buffer(&self, len: usize, use_: PoolUse) -> Option<PoolBuf> {
-        if let Some(buf) = PoolRegion::lease(&self.rendezvous_pool(use_)?, len) {
-            return Some(buf);
-        }
-        let largest = self.shared.pool_classes.iter().map(|c| c.size).max();
-        if use_ == PoolUse::PushGrant || largest.is_some_and(|l| len <= l) {
-            return None;
-        }
-        self.lease_large(len)
+        self.shared.lease_buffer(len, use_)
     }
 
-    /// A buffer of `len` bytes from a large region: a free one that fits, else a new region of
-    /// `len` rounded up to a power of two, after dropping free ones (smallest first) to stay
-    /// within `large_cap`.
-    fn lease_large(&self, len: usize) -> Option<PoolBuf> {
-        let mut large = lock(&self.shared.large);
-        if let Some(buf) = large.iter().find_map(|r| PoolRegion::lease(r, len)) {
-            return Some(buf);
-        }
-        let size = len.checked_next_power_of_two()?;
-        let cap = self.shared.large_cap;
-        if size as u64 > cap {
-            return None;
-        }
-        let mut total: u64 = large.iter().map(|r| r.len() as u64).sum();
-        while total + size as u64 > cap {
-            // a region no buffer is leased from (the list holds the only reference): nothing
-            // uses it, neither we nor the device, so it may be deregistered
-            let free = large
-                .iter()
-                .enumerate()
-                .filter(|(_, r)| Arc::strong_count(r) == 1)
-                .min_by_key(|(_, r)| r.len())
-                .map(|(i, _)| i)?;
-            total -= large.swap_remove(free).len() as u64;
-        }
-        let class = SizeClass { size, count: 1 };
-        let region = layout(&[class]).and_then(|pool| {
-            PoolRegion::new(self.shared.qp.device(), pool, PoolAccess::RemoteRead)
-        });
-        match region {
-            Ok(r) => {
-                self.shared.monitor.track(&r);
-                let buf = PoolRegion::lease(&r, len);
-                large.push(r);
-                buf
-            }
-            Err(e) => {
-                tracing::warn!("transport-rdma: registering a {size}-byte buffer failed: {e}");
-                None
-            }
-        }
+    /// The connection's registered memory for payloads it sends ([`PoolUse::Source`]
+    /// buffers), lent to users through `rpc_core::Client::payload_mut`. It holds the
+    /// connection weakly: once the connection is gone it lends nothing.
+    pub(crate) fn payload_memory(&self) -> SourceMemory {
+        SourceMemory(Arc::downgrade(&self.shared))
     }
 
     /// If `bytes` are a view into this connection's read-exposed rendezvous region (a payload

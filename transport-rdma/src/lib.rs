@@ -35,8 +35,9 @@
 //!   to a power of two), kept for the next such attachment, up to
 //!   [`RdmaOptions::large_buffer_bytes`] per connection (free ones are dropped to make room).
 //!   When the pool cannot lend (exhausted, or a large attachment finds no kept region and no
-//!   room for one) a buffer is registered for that transfer alone rather than waiting (two peers waiting for each
-//!   other's `Fin` could deadlock); [`PoolCounts::fallback_registrations`] counts those. The
+//!   room for one) a buffer is registered for that transfer alone rather than waiting (two
+//!   peers waiting for each other's `Fin` could deadlock);
+//!   [`PoolCounts::fallback_registrations`] counts those. The
 //!   ones registered for the peer's transfers into us (pull sinks, push grants, until the
 //!   payloads received in them are dropped) are bounded per connection by
 //!   [`RdmaOptions::max_fallback_bytes`]: a transfer beyond it waits, beside the receive loop,
@@ -72,9 +73,18 @@
 //!   receives by pull (the default: `push_up_to = 0`) or copies pushed payloads.
 //!
 //! Memory is never freed or reused while an MR covers it: regions are deregistered before they
-//! are freed, and only once every buffer of them is back. [`PoolMonitor`] (from [`RdmaTransport::pool_monitor`],
-//! [`RdmaRpcListener::pool_monitor`], [`RdmaConnection::pool_monitor`]) counts leases, returns
-//! and live regions, so tests can prove every buffer came back.
+//! are freed, and only once every buffer of them is back. [`PoolMonitor`] (from
+//! [`RdmaTransport::pool_monitor`], [`RdmaRpcListener::pool_monitor`],
+//! [`RdmaConnection::pool_monitor`]) counts leases, returns and live regions, so tests can
+//! prove every buffer came back.
+//!
+//! Sending without a copy: a payload that is not in the connection's registered memory is
+//! copied into a pool buffer before it goes ([`PoolCounts::copied_bytes`] counts those bytes).
+//! A client fills its payload in a buffer the connection lends instead
+//! (`rpc_core::Client::payload_mut`, the same on the facade's `Client`): a pool buffer for
+//! sources, in the read-exposed region, which the peer READs from where it is. A payload
+//! received by pull is such a buffer too, so echoing or forwarding it on the same connection
+//! copies nothing either. (Push sources are always copied; pull is the default.)
 //!
 //! # Credits and windows
 //!

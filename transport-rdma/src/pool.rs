@@ -25,6 +25,14 @@ pub struct PoolCounts {
     pub fallback_bytes: u64,
     /// the most `fallback_bytes` seen at once
     pub fallback_bytes_peak: u64,
+    /// attachments copied into registered memory to be sent by rendezvous, because they were
+    /// not in the connection's registered memory already (heap payloads, and every push
+    /// source; a payload filled in a buffer from `Client::payload_mut`, or received by pull on
+    /// the same connection, is sent by pull as it is). Messages small enough to go inline are
+    /// copied into a send slot and not counted here.
+    pub copied_sends: u64,
+    /// bytes of those copies
+    pub copied_bytes: u64,
     /// pool regions still registered (a connection's regions go once the connection and
     /// every buffer of it, posted or held by a payload, are gone)
     pub live_regions: usize,
@@ -55,6 +63,8 @@ struct Inner {
     fallback: AtomicU64,
     fallback_bytes: AtomicU64,
     fallback_bytes_peak: AtomicU64,
+    copied: AtomicU64,
+    copied_bytes: AtomicU64,
 }
 
 impl std::fmt::Debug for PoolMonitor {
@@ -80,6 +90,14 @@ impl PoolMonitor {
 
     pub(crate) fn count_fallback(&self) {
         self.inner.fallback.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// An attachment of `n` bytes was copied into registered memory to be sent.
+    pub(crate) fn count_copy(&self, n: usize) {
+        self.inner.copied.fetch_add(1, Ordering::Relaxed);
+        self.inner
+            .copied_bytes
+            .fetch_add(n as u64, Ordering::Relaxed);
     }
 
     /// `n` bytes of fallback buffers for inbound transfers are now held (see `PoolCounts`).
@@ -120,6 +138,8 @@ impl PoolMonitor {
         c.fallback_registrations = self.inner.fallback.load(Ordering::Relaxed);
         c.fallback_bytes = self.inner.fallback_bytes.load(Ordering::Acquire);
         c.fallback_bytes_peak = self.inner.fallback_bytes_peak.load(Ordering::Acquire);
+        c.copied_sends = self.inner.copied.load(Ordering::Relaxed);
+        c.copied_bytes = self.inner.copied_bytes.load(Ordering::Relaxed);
         c
     }
 }

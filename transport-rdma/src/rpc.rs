@@ -354,6 +354,13 @@ impl rpc_core::Transport for RdmaTransport {
         self.peer.clone()
     }
 
+    fn payload_memory(&self) -> Option<Arc<dyn rpc_core::payload::PayloadMemory>> {
+        match &self.state {
+            State::Ready(c) => Some(Arc::new(c.payload_memory())),
+            State::Pending(_) => None,
+        }
+    }
+
     async fn establish(self) -> io::Result<RdmaTransport> {
         match self.state {
             State::Ready(_) => Ok(self),
@@ -716,11 +723,13 @@ impl Engine {
                         held.push(Held::Empty);
                     } else if let Some(mut buf) = self.conn.lease_buffer(a.len(), PoolUse::Source) {
                         buf.bytes_mut().copy_from_slice(a);
+                        self.pool.count_copy(a.len());
                         held.push(Held::Pool(buf));
                     } else {
                         self.pool.count_fallback();
                         let mut buf = self.conn.alloc_buffer(a.len())?;
                         buf.bytes_mut()?.copy_from_slice(a);
+                        self.pool.count_copy(a.len());
                         held.push(Held::Local(buf));
                     }
                 }
@@ -757,6 +766,7 @@ impl Engine {
                     }
                     if let Some(mut buf) = self.conn.lease_buffer(a.len(), PoolUse::Source) {
                         buf.bytes_mut().copy_from_slice(a);
+                        self.pool.count_copy(a.len());
                         let (addr, rkey) = buf.remote();
                         segments.push(Segment {
                             addr,
@@ -772,6 +782,7 @@ impl Engine {
                     self.pool.count_fallback();
                     let mut buf = self.conn.alloc_buffer(a.len())?;
                     buf.bytes_mut()?.copy_from_slice(a);
+                    self.pool.count_copy(a.len());
                     let exposure = buf.expose(RemoteAccess::Read)?;
                     let t = exposure.token();
                     segments.push(Segment {

@@ -1697,6 +1697,15 @@ impl PoolBuf {
         unsafe { std::slice::from_raw_parts_mut(ptr, len) }
     }
 
+    /// The used bytes.
+    pub(crate) fn bytes(&self) -> &[u8] {
+        let (ptr, len) = (self.addr() as *const u8, self.lease.len());
+        // SAFETY: as in `bytes_mut`: the leased range is this buffer's alone, inside the region
+        // this buffer's Arc keeps allocated, and the buffer is not posted; the slice borrows
+        // `self`, so no `bytes_mut` slice exists beside it.
+        unsafe { std::slice::from_raw_parts(ptr, len) }
+    }
+
     /// Freezes the buffer: read-only bytes for as long as the view lives, then back to the pool.
     pub(crate) fn freeze(self) -> PoolView {
         PoolView { buf: self }

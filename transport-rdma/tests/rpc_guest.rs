@@ -693,6 +693,100 @@ async fn large_attachments_reuse_registered_buffers() {
     .expect("test timed out");
 }
 
+/// A payload filled in a buffer the connection lends (`Client::payload_mut`) is sent without a
+/// copy: the server READs it where it is, at 64 KiB (a pool class), 1 MiB and 16 MiB (a kept
+/// large region); the server echoes what it received by pull without a copy too. A heap
+/// payload is copied once per send, which the same counter shows. A lent buffer stays out of
+/// the pool while its payload lives; once the connection is gone, heap memory is lent instead.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn lent_payloads_are_sent_without_a_copy() {
+    let (dev, addr) = target(20_191);
+    tokio::time::timeout(LIMIT, async move {
+        let config = Config::default();
+        let srv = BlobServer::start(addr, &config, RdmaOptions::default());
+        let server_pools = srv.pools.clone();
+        let transport = RdmaTransport::connect(addr, config.clone(), RdmaOptions::default())
+            .await
+            .expect("connect");
+        let pools = transport.pool_monitor();
+        let posted = RdmaOptions::default().recv_slots as u64;
+        let client = Client::new(transport, config.clone());
+        let echo = |p: Payload| {
+            let client = client.clone();
+            async move {
+                let back: Payload = client
+                    .call::<Bincode, _, _>(ECHO, "Blob.echo", &(p.clone(),))
+                    .await
+                    .unwrap_or_else(|e| panic!("echo of {} B: {e}", p.len()));
+                assert!(back[..] == p[..], "echo of {} B differs", p.len());
+            }
+        };
+        for (i, len) in [64usize << 10, 1 << 20, 16 << 20].into_iter().enumerate() {
+            let mut buf = client.payload_mut(len);
+            assert!(buf.is_lent(), "{len} B: the connection lent no buffer");
+            assert_eq!(buf.len(), len);
+            buf.copy_from_slice(&data(len, i as u64));
+            let p = buf.freeze();
+            let before = pools.counts();
+            echo(p.clone()).await;
+            futures::future::join(echo(p.clone()), echo(p.slice(1..len - 1))).await;
+            let c = pools.counts();
+            assert!(
+                c.outstanding() > posted,
+                "{len} B: the lent buffer is back in the pool while its payload lives: {c:?}"
+            );
+            drop(p);
+            let c = settle("lent payload dropped", &pools, |c| {
+                c.outstanding() == posted
+            })
+            .await;
+            assert_eq!(
+                (c.copied_sends, c.copied_bytes),
+                (before.copied_sends, before.copied_bytes),
+                "{len} B: a lent payload was copied: {c:?}"
+            );
+        }
+        let s = server_pools.counts();
+        assert_eq!(
+            s.copied_bytes, 0,
+            "the server copied a payload it had received by pull: {s:?}"
+        );
+        // a heap payload: one copy per send
+        let before = pools.counts();
+        echo(Payload::from(data(1 << 20, 7))).await;
+        let c = settle("heap payload", &pools, |c| c.outstanding() == posted).await;
+        assert_eq!(
+            (
+                c.copied_sends - before.copied_sends,
+                c.copied_bytes - before.copied_bytes
+            ),
+            (1, 1 << 20),
+            "a heap payload is copied once: {c:?}"
+        );
+        println!("device {dev}: client {c:?}, server {s:?}");
+        // the connection gone, nothing is lent
+        srv.stop().await;
+        client.closed().await;
+        eventually(
+            "lent after the connection closed",
+            || client.payload_mut(4096).is_lent(),
+            |lent| !lent,
+        )
+        .await;
+        drop(client);
+        settle("client closed", &pools, |c| {
+            c.outstanding() == 0 && c.live_regions == 0
+        })
+        .await;
+        settle("server stopped", &server_pools, |c| {
+            c.outstanding() == 0 && c.live_regions == 0
+        })
+        .await;
+    })
+    .await
+    .expect("test timed out");
+}
+
 /// CPU time this process has used (user and system), from `/proc/self/stat` (in USER_HZ ticks,
 /// which are 10 ms on Linux).
 fn cpu_time() -> Duration {

@@ -1,0 +1,99 @@
+//! `Client::payload_mut` lends from the transport's memory when it has some, and falls back to
+//! the heap when it has none or lends nothing. The memory here is an in-process fake lender
+//! over the in-process transport (`rpc_core::mem`); the RDMA transport's registered pools are
+//! tested on real devices (`transport-rdma/tests/rpc_guest.rs`,
+//! `lent_payloads_are_sent_without_a_copy`).
+
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+
+use rpc_core::mem::{self, MemTransport};
+use rpc_core::payload::{LentBuffer, PayloadMemory};
+use rpc_core::{Client, Config, Payload, PayloadMut, Transport};
+
+/// A fake lender: up to `free` buffers, each counted back when its payload is gone.
+struct FakeMemory {
+    free: Arc<AtomicUsize>,
+}
+
+struct FakeBuf(Vec<u8>, Arc<AtomicUsize>);
+
+impl AsRef<[u8]> for FakeBuf {
+    fn as_ref(&self) -> &[u8] {
+        &self.0
+    }
+}
+
+impl Drop for FakeBuf {
+    fn drop(&mut self) {
+        self.1.fetch_add(1, Ordering::SeqCst);
+    }
+}
+
+impl LentBuffer for FakeBuf {
+    fn bytes(&self) -> &[u8] {
+        &self.0
+    }
+    fn bytes_mut(&mut self) -> &mut [u8] {
+        &mut self.0
+    }
+    fn freeze(self: Box<Self>) -> Payload {
+        Payload::from_owner(*self)
+    }
+}
+
+impl PayloadMemory for FakeMemory {
+    fn lend(&self, len: usize) -> Option<PayloadMut> {
+        self.free
+            .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| n.checked_sub(1))
+            .ok()?;
+        Some(PayloadMut::lent(Box::new(FakeBuf(
+            vec![0xee; len],
+            self.free.clone(),
+        ))))
+    }
+}
+
+/// The in-process transport with the fake lender attached.
+struct Lending(MemTransport, Arc<AtomicUsize>);
+
+impl Transport for Lending {
+    type Reader = <MemTransport as Transport>::Reader;
+    type Writer = <MemTransport as Transport>::Writer;
+    fn split(self) -> (Self::Reader, Self::Writer) {
+        self.0.split()
+    }
+    fn peer(&self) -> String {
+        self.0.peer()
+    }
+    fn payload_memory(&self) -> Option<Arc<dyn PayloadMemory>> {
+        Some(Arc::new(FakeMemory {
+            free: self.1.clone(),
+        }))
+    }
+}
+
+#[tokio::test]
+async fn payload_mut_lends_from_the_transport_then_the_heap() {
+    let (a, _b) = mem::pair();
+    let free = Arc::new(AtomicUsize::new(1));
+    let client = Client::new(Lending(a, free.clone()), Config::default());
+    let mut first = client.payload_mut(16);
+    assert!(first.is_lent(), "the transport's memory was not used");
+    assert_eq!(first.len(), 16);
+    first.fill(7);
+    // the lender has no more: the heap, zeroed
+    let second = client.payload_mut(16);
+    assert!(!second.is_lent());
+    assert_eq!(&*second, &[0u8; 16]);
+    let p = first.freeze();
+    assert_eq!(free.load(Ordering::SeqCst), 0);
+    drop(p);
+    assert_eq!(free.load(Ordering::SeqCst), 1, "the buffer did not go back");
+    assert!(client.payload_mut(4).is_lent());
+
+    // a transport with no memory of its own: always the heap
+    let (a, _b) = mem::pair();
+    let plain = Client::new(a, Config::default());
+    assert!(!plain.payload_mut(8).is_lent());
+}
