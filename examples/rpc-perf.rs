@@ -4,7 +4,7 @@
 //! ```text
 //! cargo run --release --example rpc-perf -- [--server | --client] [--endpoint URL]
 //!     [--op put|get|echo] [--sizes 0,64,4k,1m,16m] [--concurrency N] [--connections N]
-//!     [--duration SECS] [--warmup SECS] [--threads N] [--json FILE] [--svg FILE]
+//!     [--duration SECS] [--warmup SECS] [--threads N] [--heap] [--json FILE] [--svg FILE]
 //! ```
 //!
 //! - Both sides in one process by default (`--endpoint`, default `tcp://127.0.0.1:0`).
@@ -16,7 +16,10 @@
 //! For each size, `--concurrency` tasks (spread over `--connections` connections) call in a
 //! closed loop for `--duration` seconds after `--warmup`; every call's round trip goes into a
 //! histogram. `put` sends the payload and gets its length back, `get` asks for it and
-//! receives it, `echo` does both (its GB/s counts both directions).
+//! receives it, `echo` does both (its GB/s counts both directions). The client sends from a
+//! buffer its connection lends (`Client::payload_mut`: over RDMA a registered buffer, which the
+//! server reads without a copy on our side); `--heap` sends from heap memory instead, which
+//! the RDMA transport copies into registered memory for each call.
 //!
 //! Prints per size: p50/p99/p99.9 round trip, calls/s and GB/s (1 GB = 1e9 bytes);
 //! `--json FILE` writes the same numbers, `--svg FILE` draws latency and bandwidth by size.
@@ -117,11 +120,13 @@ struct Opts {
     threads: usize,
     json: Option<String>,
     svg: Option<String>,
+    /// send from heap memory rather than from buffers the connection lends
+    heap: bool,
 }
 
 const USAGE: &str = "rpc-perf [--server | --client] [--endpoint URL] [--op put|get|echo] \
 [--sizes 0,64,4k,1m,16m] [--concurrency N] [--connections N] [--duration SECS] \
-[--warmup SECS] [--threads N] [--json FILE] [--svg FILE]";
+[--warmup SECS] [--threads N] [--heap] [--json FILE] [--svg FILE]";
 
 fn parse_size(s: &str) -> Result<usize, String> {
     let t = s.trim().to_ascii_lowercase();
@@ -154,6 +159,7 @@ fn parse_args<I: Iterator<Item = String>>(args: I) -> Result<Opts, String> {
         threads: 2,
         json: None,
         svg: None,
+        heap: false,
     };
     let mut args = args;
     fn value(args: &mut impl Iterator<Item = String>, flag: &str) -> Result<String, String> {
@@ -211,6 +217,7 @@ fn parse_args<I: Iterator<Item = String>>(args: I) -> Result<Opts, String> {
             "--threads" => o.threads = count(val(&mut args)?, "--threads")?,
             "--json" => o.json = Some(val(&mut args)?),
             "--svg" => o.svg = Some(val(&mut args)?),
+            "--heap" => o.heap = true,
             "-h" | "--help" => return Err(String::new()),
             other => return Err(format!("unknown argument {other:?}")),
         }
@@ -260,7 +267,7 @@ async fn one_call(client: &PerfClient, op: Op, src: &Payload, size: usize) -> Re
 async fn measure_size(
     clients: &[PerfClient],
     o: &Opts,
-    src: &Payload,
+    srcs: &[Payload],
     size: usize,
 ) -> Result<SizeResult, RpcError> {
     let measuring = Arc::new(AtomicBool::new(false));
@@ -268,7 +275,8 @@ async fn measure_size(
     let mut tasks = Vec::with_capacity(o.concurrency);
     for i in 0..o.concurrency {
         let client = clients[i % clients.len()].clone();
-        let (measuring, stop, src, op) = (measuring.clone(), stop.clone(), src.clone(), o.op);
+        let src = srcs[i % clients.len()].clone();
+        let (measuring, stop, op) = (measuring.clone(), stop.clone(), o.op);
         tasks.push(tokio::spawn(async move {
             let mut hist = Histogram::<u64>::new_with_bounds(1, 3_600_000_000_000, 3)
                 .expect("histogram bounds");
@@ -276,7 +284,9 @@ async fn measure_size(
             while !stop.load(Ordering::Relaxed) {
                 let t = Instant::now();
                 one_call(&client, op, &src, size).await?;
-                if measuring.load(Ordering::Relaxed) {
+                // only calls that end inside the window: one that ends after it would add its
+                // bytes but not its time (a large bias when few long calls fit the window)
+                if measuring.load(Ordering::Relaxed) && !stop.load(Ordering::Relaxed) {
                     hist.saturating_record(t.elapsed().as_nanos() as u64);
                     calls += 1;
                 }
@@ -664,10 +674,22 @@ async fn run_client(o: &Opts, endpoint: &Endpoint) -> Result<Vec<SizeResult>, Rp
         clients.push(PerfClient::connect(endpoint).await?);
     }
     let max = o.sizes.iter().copied().max().unwrap_or(0);
-    let src = Payload::from(pattern(max));
+    // one source per connection, lent by it: a payload is sent without a copy only on the
+    // connection whose memory holds it
+    let srcs: Vec<Payload> = clients
+        .iter()
+        .map(|c| {
+            if o.heap {
+                return Payload::from(pattern(max));
+            }
+            let mut buf = c.client().payload_mut(max);
+            buf.copy_from_slice(&pattern(max));
+            buf.freeze()
+        })
+        .collect();
     let mut results = Vec::new();
     for &size in &o.sizes {
-        let r = measure_size(&clients, o, &src, size).await?;
+        let r = measure_size(&clients, o, &srcs, size).await?;
         eprintln!(
             "  {:>6}: {:>9.0} calls/s {:>8.3} GB/s  p50 {:.1} us",
             fmt_size(size),

@@ -208,7 +208,7 @@ done
 PERF_PORT=18600
 rpcperf() { # rpcperf DEV LABEL ENDPOINT-OPTIONS split|one ARGS...
   local d=$1 label=$2 eopts=$3 mode=$4; shift 4
-  local log=logs/rpc-perf-$label-$d.log rc srv=""
+  local log=logs/rpc-perf-$label-$d.log json=logs/rpc-perf-$label-$d.json rc srv=""
   if [ "$mode" = split ]; then
     PERF_PORT=$((PERF_PORT+1))
     local ep="rdma://${IP[$d]}:$PERF_PORT?device=$d$eopts" slog=logs/rpc-perf-$label-$d-server.log
@@ -219,17 +219,22 @@ rpcperf() { # rpcperf DEV LABEL ENDPOINT-OPTIONS split|one ARGS...
       kill -0 "$srv" 2>/dev/null || break
       sleep 0.1
     done
-    timeout 180 ./perf/rpc-perf --client --threads 1 --endpoint "$ep" "$@" > "$log" 2>&1; rc=$?
+    timeout 180 ./perf/rpc-perf --client --threads 1 --endpoint "$ep" --json "$json" "$@" > "$log" 2>&1; rc=$?
     kill "$srv" 2>/dev/null; wait "$srv" 2>/dev/null
   else
-    timeout 180 ./perf/rpc-perf --endpoint "rdma://${IP[$d]}:0?device=$d$eopts" "$@" > "$log" 2>&1; rc=$?
+    timeout 180 ./perf/rpc-perf --endpoint "rdma://${IP[$d]}:0?device=$d$eopts" --json "$json" "$@" > "$log" 2>&1; rc=$?
   fi
   local rows; rows=$(awk '/bytes +calls/ {on=1; next} on && NF == 7' "$log")
   if [ $rc != 0 ] || [ -z "$rows" ]; then
     note "rpc-perf $d $label: FAILED (exit $rc; see logs/${log##*/})"; tail -n 5 "$log"; PROBLEMS=$((PROBLEMS+1)); return
   fi
+  # bandwidth also in MiB/s (2^20 bytes), the unit of perftest's "MB/sec", from the JSON's
+  # unrounded figures, in the order of the table's rows
+  local mibs; mibs=$(sed -n 's/.*"gb_per_sec": \([0-9.e+-]*\).*/\1/p' "$json" 2>/dev/null \
+    | awk '{printf "%.1f\n", $1 * 1e9 / 1048576}')
   while read -r b c r g p50 p99 p999; do
-    note "rpc-perf $d $label $b B: p50 $p50 us, p99 $p99 us, $r calls/s, $g GB/s"
+    local mib; mib=$(head -n 1 <<< "$mibs"); mibs=$(tail -n +2 <<< "$mibs")
+    note "rpc-perf $d $label $b B: p50 $p50 us, p99 $p99 us, $r calls/s, $g GB/s (${mib:-?} MiB/s)"
   done <<< "$rows"
 }
 if [ -x perf/rpc-perf ]; then
@@ -239,7 +244,10 @@ if [ -x perf/rpc-perf ]; then
     rpcperf "$d" "small-call-default" "" split --op echo --sizes 0 --concurrency 1 --duration 3 --warmup 1
     rpcperf "$d" "small-call-event-mode" "&busy_poll=0" split --op echo --sizes 0 --concurrency 1 --duration 3 --warmup 1
     rpcperf "$d" "64-in-flight" "" one --op echo --sizes 64 --concurrency 64 --threads 2 --duration 3 --warmup 1
-    rpcperf "$d" "bandwidth" "" one --op put --sizes 1m,16m --concurrency 2 --threads 2 --duration 3 --warmup 1
+    # 4 in flight (perftest's ib_read_bw keeps up to 16 READs outstanding), from buffers the
+    # connection lends (rpc-perf's default; --heap copies each payload in), and a window long
+    # enough for a dozen 16 MiB calls on rxe
+    rpcperf "$d" "bandwidth" "" one --op put --sizes 1m,16m --concurrency 4 --threads 2 --duration 8 --warmup 2
   done
 fi
 
@@ -300,7 +308,8 @@ perf() { # perf DEV TOOL ARGS... : server + client on DEV's address; summary lin
   set -- $row
   case $tool in
     ib_send_lat) note "perftest $d $tool$mode ${1} B: typical $5 us, avg $6 us, 99% $8 us ($(el $t))" ;;
-    *) note "perftest $d $tool ${1} B x $2: average $4 MB/s, peak $3 MB/s ($(el $t))" ;;
+    # perftest prints "MB/sec" in units of 2^20 bytes (its format factor is 0x100000)
+    *) note "perftest $d $tool ${1} B x $2: average $4 MiB/s, peak $3 MiB/s ($(el $t))" ;;
   esac
 }
 if [ "${RDMA_TEST_PERFTEST:-1}" = 1 ]; then
@@ -311,6 +320,9 @@ if [ "${RDMA_TEST_PERFTEST:-1}" = 1 ]; then
     perf "$d" ib_send_lat "${CM[@]}" -n 1000 -F -e
     perf "$d" ib_write_bw "${CM[@]}" -n 2000 -F
     perf "$d" ib_read_bw "${CM[@]}" -n 2000 -F
+    # and at the sizes of rdma-rpc's bandwidth figures
+    perf "$d" ib_read_bw "${CM[@]}" -n 200 -F -s 1048576
+    perf "$d" ib_read_bw "${CM[@]}" -n 20 -F -s 16777216 -t 4
   done
 fi
 
