@@ -130,7 +130,9 @@ struct Conn {
     /// `None` for a client over a transport it was handed, which cannot reconnect.
     endpoint: Option<Endpoint>,
     config: Config,
-    current: std::sync::Mutex<rpc_core::Client>,
+    /// Read on every call (a shared lock: calls on many threads do not wait for each other),
+    /// written on a reconnection.
+    current: std::sync::RwLock<rpc_core::Client>,
     /// Counts the registered buffer pools of every RDMA connection this client makes.
     pools: rdma::Pools,
     /// Held while connecting, so that concurrent calls make one attempt, not many.
@@ -146,7 +148,7 @@ impl Conn {
     /// wait for, or fail fast until, a new connection, as configured, instead of failing on
     /// the old one until the server closes it).
     fn live(&self) -> Option<rpc_core::Client> {
-        let c = self.current.lock().expect("connection lock");
+        let c = self.current.read().expect("connection lock");
         (!c.is_closed() && !c.is_going_away()).then(|| c.clone())
     }
 
@@ -163,7 +165,7 @@ impl Conn {
         }
         let why = if self
             .current
-            .lock()
+            .read()
             .expect("connection lock")
             .is_going_away()
         {
@@ -194,7 +196,7 @@ impl Conn {
             match connect_once(endpoint, &self.config, &self.pools).await {
                 Ok(c) => {
                     tracing::info!(%endpoint, "reconnected");
-                    *self.current.lock().expect("connection lock") = c.clone();
+                    *self.current.write().expect("connection lock") = c.clone();
                     backoff.next = self.config.reconnect_backoff;
                     return Ok(c);
                 }
@@ -284,7 +286,7 @@ impl Client {
                     next: config.reconnect_backoff,
                 }),
                 config,
-                current: std::sync::Mutex::new(first),
+                current: std::sync::RwLock::new(first),
                 pools,
             }),
             timeout: None,
@@ -316,7 +318,7 @@ impl Client {
 
     /// Resolves when the current connection is gone.
     pub fn closed(&self) -> impl Future<Output = ()> + Send + 'static {
-        let current = self.conn.current.lock().expect("connection lock").clone();
+        let current = self.conn.current.read().expect("connection lock").clone();
         current.closed()
     }
 
@@ -324,7 +326,7 @@ impl Client {
     pub fn in_flight(&self) -> usize {
         self.conn
             .current
-            .lock()
+            .read()
             .expect("connection lock")
             .in_flight()
     }
@@ -382,9 +384,13 @@ impl Client {
     {
         let deadline = self.timeout.map(|t| tokio::time::Instant::now() + t);
         let prepared = rpc_core::client::Prepared::new::<C, A>(method, name, args);
-        // Fast path: connected, no extra await.
-        if let Some(c) = self.conn.live() {
-            return futures::future::Either::Left(c.send::<C, R>(prepared, deadline));
+        // Fast path: connected, no extra await (and no handle cloned: the call's future
+        // holds the connection itself).
+        {
+            let c = self.conn.current.read().expect("connection lock");
+            if !c.is_closed() && !c.is_going_away() {
+                return futures::future::Either::Left(c.send::<C, R>(prepared, deadline));
+            }
         }
         let conn = self.conn.clone();
         // Boxed: the reconnecting path's future is large, and inline it would make every

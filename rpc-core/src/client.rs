@@ -37,6 +37,8 @@ struct State {
     closed: CancellationToken,
     /// Set with `closed`; cheap to test on every turn of the reader.
     shut: AtomicBool,
+    /// Set with the table's `going_away`; read without the lock.
+    going_away: AtomicBool,
     /// The reader task, woken when the connection is closed from this side.
     reader: AtomicWaker,
 }
@@ -88,8 +90,9 @@ impl Table {
         }
     }
 
-    /// Takes a free slot for a new call; returns the call's request id.
-    fn register(&mut self) -> u64 {
+    /// Takes a free slot for a new call, whose caller `waker` wakes; returns the call's
+    /// request id.
+    fn register(&mut self, waker: Waker) -> u64 {
         let index = match self.free.pop() {
             Some(i) => i,
             None => {
@@ -102,7 +105,7 @@ impl Table {
             }
         };
         let slot = &mut self.slots[index as usize];
-        slot.state = SlotState::Waiting(None);
+        slot.state = SlotState::Waiting(Some(waker));
         self.waiting += 1;
         (u64::from(slot.generation) << 32) | u64::from(index)
     }
@@ -328,6 +331,7 @@ impl Client {
             credits: Semaphore::new(window),
             closed: CancellationToken::new(),
             shut: AtomicBool::new(false),
+            going_away: AtomicBool::new(false),
             reader: AtomicWaker::new(),
         });
         let span = tracing::info_span!("rpc_client", peer = %peer);
@@ -390,7 +394,7 @@ impl Client {
     /// Whether the server said it is shutting down (go-away): calls already sent are answered,
     /// new ones fail with [`RpcError::Unavailable`]; a caller that can should connect anew.
     pub fn is_going_away(&self) -> bool {
-        self.inner.state.lock().going_away
+        self.inner.state.going_away.load(Ordering::Acquire)
     }
 
     /// Resolves when the connection is gone.
@@ -461,7 +465,7 @@ impl Client {
                     Box::pin(wait_for_credit(&state.credits, deadline)).await?
                 }
             };
-            let reply = start(state, msg, deadline)?.await?;
+            let reply = start(state, msg, deadline).await?;
             decode_reply::<C, R>(reply)
         }
         .instrument(span)
@@ -521,50 +525,33 @@ async fn wait_for_credit(
     acquired.map_err(|_| RpcError::ConnectionClosed)
 }
 
-/// Registers `msg` as a new call and queues it for the writer; the returned future waits for
-/// the answer.
-fn start(
-    state: &State,
-    mut msg: Message,
-    deadline: Option<Instant>,
-) -> Result<Answer<'_>, RpcError> {
+/// A call of `msg`: the returned future registers it and queues it for the writer when first
+/// polled (one lock for both, with the caller's waker), then waits for the answer.
+fn start(state: &State, mut msg: Message, deadline: Option<Instant>) -> Answer<'_> {
     if let Some(d) = deadline {
         let left = d.saturating_duration_since(Instant::now()).as_micros();
         // 0 means "no deadline" on the wire; an already-expired call still says 1 µs.
         msg.header.aux = left.clamp(1, u32::MAX as u128) as u32;
     }
-    let (id, writer) = {
-        let mut t = state.lock();
-        if t.closed {
-            return Err(RpcError::ConnectionClosed);
-        }
-        if t.going_away {
-            return Err(RpcError::Unavailable(
-                "the server is shutting down (it sent go-away)".into(),
-            ));
-        }
-        let id = t.register();
-        msg.header.id = id;
-        (id, t.queue(msg))
-    };
-    if let Some(w) = writer {
-        w.wake();
-    }
-    Ok(Answer {
+    Answer {
         state,
-        id,
+        unsent: Some(msg),
+        id: 0,
         done: false,
         deadline: deadline.map(tokio::time::sleep_until),
-    })
+    }
 }
 
-/// Waits in call `id`'s slot for its answer, failing with `DeadlineExceeded` at `deadline`.
-/// Dropped (or timed out) before the answer came, it frees the slot and tells the server to
-/// stop the handler.
+/// Sends its call when first polled, then waits in the call's slot for the answer, failing with
+/// `DeadlineExceeded` at `deadline`. Dropped (or timed out) before the answer came, it frees
+/// the slot and tells the server to stop the handler.
 #[pin_project::pin_project(PinnedDrop)]
 struct Answer<'a> {
     state: &'a State,
+    /// The request, until the first poll sends it.
+    unsent: Option<Message>,
     id: u64,
+    /// Nothing left to undo on drop (answered, failed, cancelled, or never sent).
     done: bool,
     #[pin]
     deadline: Option<tokio::time::Sleep>,
@@ -575,8 +562,31 @@ impl Future for Answer<'_> {
 
     fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
         let this = self.project();
-        let id = *this.id;
-        {
+        if let Some(mut msg) = this.unsent.take() {
+            let writer = {
+                let mut t = this.state.lock();
+                if t.closed || t.going_away {
+                    *this.done = true;
+                    return Poll::Ready(Err(if t.closed {
+                        RpcError::ConnectionClosed
+                    } else {
+                        RpcError::Unavailable(
+                            "the server is shutting down (it sent go-away)".into(),
+                        )
+                    }));
+                }
+                let id = t.register(cx.waker().clone());
+                msg.header.id = id;
+                *this.id = id;
+                t.queue(msg)
+            };
+            if let Some(w) = writer {
+                w.wake();
+            }
+        } else if *this.done {
+            panic!("a call's future polled after it completed");
+        } else {
+            let id = *this.id;
             let mut t = this.state.lock();
             let slot = t.slot(id).expect("a call owns its slot until it ends");
             match &mut slot.state {
@@ -599,7 +609,7 @@ impl Future for Answer<'_> {
         }
         match this.deadline.as_pin_mut().map(|d| d.poll(cx)) {
             Some(Poll::Ready(())) => {
-                cancel(this.state, id);
+                cancel(this.state, *this.id);
                 *this.done = true;
                 Poll::Ready(Err(RpcError::DeadlineExceeded))
             }
@@ -611,7 +621,7 @@ impl Future for Answer<'_> {
 #[pin_project::pinned_drop]
 impl PinnedDrop for Answer<'_> {
     fn drop(self: Pin<&mut Self>) {
-        if !self.done {
+        if !self.done && self.unsent.is_none() {
             cancel(self.state, self.id);
         }
     }
@@ -725,46 +735,63 @@ where
     R: Stream<Item = io::Result<Message>> + Unpin,
 {
     let mut keepalive = KeepAlive::new(config.keepalive_interval, config.keepalive_timeout);
-    poll_fn(|cx| loop {
-        if state.is_shut() {
-            return Poll::Ready(());
-        }
-        match reader.poll_next_unpin(cx) {
-            Poll::Ready(Some(Ok(msg))) => {
-                keepalive.saw_frame();
-                if !on_frame(&state, msg) {
-                    return Poll::Ready(());
-                }
+    // Callers whose answers came in this turn, woken once the table is unlocked. Answers read
+    // in one turn (one read of the socket, one batch of packets) are recorded under one lock.
+    let mut answered: Vec<Waker> = Vec::new();
+    poll_fn(|cx| {
+        let mut table: Option<MutexGuard<'_, Table>> = None;
+        let outcome = 'read: loop {
+            if state.is_shut() {
+                break Poll::Ready(());
             }
-            Poll::Ready(Some(Err(e))) => {
-                tracing::warn!(error = %e, "bad frame from server; closing the connection");
-                return Poll::Ready(());
-            }
-            Poll::Ready(None) => {
-                tracing::debug!("server closed the connection");
-                return Poll::Ready(());
-            }
-            Poll::Pending => {
-                state.reader.register(cx.waker());
-                if state.is_shut() {
-                    return Poll::Ready(());
-                }
-                while let Poll::Ready(tick) = keepalive.poll_tick(cx) {
-                    match tick {
-                        Tick::Alive => {}
-                        Tick::Ping => state.send(Message::control(Kind::Ping, 0)),
-                        Tick::Dead(silent) => {
-                            tracing::warn!(
-                                ?silent,
-                                "server stopped answering keep-alives; closing"
-                            );
-                            return Poll::Ready(());
-                        }
+            match reader.poll_next_unpin(cx) {
+                Poll::Ready(Some(Ok(msg))) => {
+                    keepalive.saw_frame();
+                    if msg.header.kind == Kind::Response {
+                        let t = table.get_or_insert_with(|| state.lock());
+                        // None: the call was cancelled or timed out meanwhile.
+                        answered.extend(t.complete(msg.header.id, Ok(msg)));
+                        continue;
+                    }
+                    drop(table.take());
+                    if !on_frame(&state, msg) {
+                        break Poll::Ready(());
                     }
                 }
-                return Poll::Pending;
+                Poll::Ready(Some(Err(e))) => {
+                    tracing::warn!(error = %e, "bad frame from server; closing the connection");
+                    break Poll::Ready(());
+                }
+                Poll::Ready(None) => {
+                    tracing::debug!("server closed the connection");
+                    break Poll::Ready(());
+                }
+                Poll::Pending => {
+                    drop(table.take());
+                    state.reader.register(cx.waker());
+                    if state.is_shut() {
+                        break Poll::Ready(());
+                    }
+                    while let Poll::Ready(tick) = keepalive.poll_tick(cx) {
+                        match tick {
+                            Tick::Alive => {}
+                            Tick::Ping => state.send(Message::control(Kind::Ping, 0)),
+                            Tick::Dead(silent) => {
+                                tracing::warn!(
+                                    ?silent,
+                                    "server stopped answering keep-alives; closing"
+                                );
+                                break 'read Poll::Ready(());
+                            }
+                        }
+                    }
+                    break Poll::Pending;
+                }
             }
-        }
+        };
+        drop(table);
+        answered.drain(..).for_each(Waker::wake);
+        outcome
     })
     .await;
     state.close();
@@ -774,9 +801,8 @@ where
 fn on_frame(state: &State, msg: Message) -> bool {
     match msg.header.kind {
         Kind::Response => {
-            let id = msg.header.id;
             // None: the call was cancelled or timed out meanwhile.
-            let caller = state.lock().complete(id, Ok(msg));
+            let caller = state.lock().complete(msg.header.id, Ok(msg));
             if let Some(w) = caller {
                 w.wake();
             }
@@ -786,6 +812,7 @@ fn on_frame(state: &State, msg: Message) -> bool {
         Kind::GoAway => {
             tracing::info!("server is draining; no new calls on this connection");
             state.lock().going_away = true;
+            state.going_away.store(true, Ordering::Release);
         }
         Kind::Request | Kind::Cancel => {
             tracing::warn!(kind = %msg.header.kind, "server sent a client-only frame; closing");
