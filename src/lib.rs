@@ -65,6 +65,7 @@ use std::future::Future;
 use std::sync::Arc;
 use std::time::Duration;
 
+pub use rpc_core::server::payload_mut;
 pub use rpc_core::{
     Codec, CodecError, Config, ConfigError, Endpoint, EndpointParseError, Payload, PayloadMut,
     RpcError, Scheme, Secret, ServerError, ServerErrorKind, ShutdownHandle,

@@ -28,7 +28,7 @@ use tracing::Instrument;
 
 use crate::codec::Codec;
 use crate::conn::{encode_body, KeepAlive, Outbox, Tick};
-use crate::payload::with_attachments;
+use crate::payload::{with_attachments, PayloadMemory, PayloadMut};
 use crate::transport::{Listener, Transport};
 use crate::wire::{FrameError, Header, Kind, Message};
 use crate::{Config, Payload, Secret, ServerError, ServerErrorKind};
@@ -325,8 +325,35 @@ async fn handler_future<S: Service>(
     service: Arc<S>,
     method: u32,
     request: Request,
+    memory: Option<Arc<dyn PayloadMemory>>,
 ) -> Result<Reply, ServerError> {
-    service.dispatch(method, request).await
+    match memory {
+        Some(memory) => {
+            LENDER
+                .scope(memory, service.dispatch(method, request))
+                .await
+        }
+        None => service.dispatch(method, request).await,
+    }
+}
+
+tokio::task_local! {
+    /// The memory of the connection whose request the running handler serves.
+    static LENDER: Arc<dyn PayloadMemory>;
+}
+
+/// In a handler, a buffer of `len` bytes to fill in place and return as a
+/// [`Payload`] ([`PayloadMut::freeze`]) without a copy: lent by the connection the request
+/// came on, where its transport has such memory (RDMA: a registered buffer the client then
+/// reads from where it is). Elsewhere (over TCP, outside a handler or in a task the handler
+/// spawned, or with no buffer free), zeroed heap memory. A lent buffer's bytes are not
+/// zeroed: write all of them.
+pub fn payload_mut(len: usize) -> PayloadMut {
+    LENDER
+        .try_with(|m| m.lend(len))
+        .ok()
+        .flatten()
+        .unwrap_or_else(|| PayloadMut::zeroed(len))
 }
 
 /// A handler future in a reusable box: the connection keeps one box and runs each handler's
@@ -383,13 +410,15 @@ struct Conn<S, W, H, F> {
     calls: Calls,
     handlers: TaskTracker,
     draining: bool,
+    /// The connection's memory for payloads it sends without a copy, lent to its handlers.
+    memory: Option<Arc<dyn PayloadMemory>>,
 }
 
 impl<S, W, H, F> Conn<S, W, H, F>
 where
     S: Service,
     W: Sink<Message, Error = io::Error> + Unpin,
-    H: Fn(Arc<S>, u32, Request) -> F,
+    H: Fn(Arc<S>, u32, Request, Option<Arc<dyn PayloadMemory>>) -> F,
     F: Future<Output = Result<Reply, ServerError>> + Send + 'static,
 {
     async fn send(&mut self, msg: Message) -> io::Result<()> {
@@ -529,8 +558,12 @@ where
         deadline: Option<Instant>,
     ) -> Option<Message> {
         let request = Request::new(msg.body, msg.attachments);
-        self.inline
-            .set(Some((self.make)(self.service.clone(), method, request)));
+        self.inline.set(Some((self.make)(
+            self.service.clone(),
+            method,
+            request,
+            self.memory.clone(),
+        )));
         let first = {
             let mut cx = Context::from_waker(Waker::noop());
             let work = self.inline.as_mut().as_pin_mut().expect("just set");
@@ -667,6 +700,7 @@ async fn serve_connection<T: Transport, S: Service>(
         };
     ctx.stats.connections.fetch_add(1, Relaxed);
     tracing::debug!("connection open");
+    let memory = transport.payload_memory();
     let (mut reader, writer) = transport.split();
     let (outbox, answers) = mpsc::unbounded_channel();
     let mut keepalive = KeepAlive::new(ctx.config.keepalive_interval, ctx.config.keepalive_timeout);
@@ -689,6 +723,7 @@ async fn serve_connection<T: Transport, S: Service>(
         calls: Arc::default(),
         handlers: TaskTracker::new(),
         draining: false,
+        memory,
     };
     let result: io::Result<()> = async {
         loop {

@@ -97,3 +97,70 @@ async fn payload_mut_lends_from_the_transport_then_the_heap() {
     let plain = Client::new(a, Config::default());
     assert!(!plain.payload_mut(8).is_lent());
 }
+
+/// A listener whose connections lend from `free`.
+struct LendingListener(mem::MemListener, Arc<AtomicUsize>);
+
+impl rpc_core::Listener for LendingListener {
+    type Transport = Lending;
+    async fn accept(&mut self) -> std::io::Result<Lending> {
+        Ok(Lending(self.0.accept().await?, self.1.clone()))
+    }
+}
+
+/// `Fill.fill(len) -> (lent, bytes)`: a payload made with `server::payload_mut`.
+struct Fill;
+
+impl rpc_core::Service for Fill {
+    const NAME: &'static str = "Fill";
+
+    fn method_name(&self, m: u32) -> Option<&'static str> {
+        (m == 1).then_some("Fill.fill")
+    }
+
+    async fn dispatch(
+        &self,
+        _m: u32,
+        req: rpc_core::Request,
+    ) -> Result<rpc_core::Reply, rpc_core::ServerError> {
+        let (len,): (u64,) = req.decode::<rpc_core::Bincode, _>("Fill.fill")?;
+        // across an await, as handlers that read a disk would
+        tokio::task::yield_now().await;
+        let mut buf = rpc_core::server::payload_mut(len as usize);
+        let lent = buf.is_lent();
+        buf.fill(0x5a);
+        rpc_core::Reply::encode::<rpc_core::Bincode, _>(&(lent, buf.freeze()))
+    }
+}
+
+#[tokio::test]
+async fn handlers_get_memory_of_their_connection() {
+    // outside a handler: the heap
+    assert!(!rpc_core::server::payload_mut(8).is_lent());
+    let free = Arc::new(AtomicUsize::new(4));
+    let (listener, connector) = mem::listener();
+    let shutdown = rpc_core::ShutdownHandle::new();
+    let serving = tokio::spawn(rpc_core::server::serve(
+        LendingListener(listener, free.clone()),
+        Fill,
+        Config::default(),
+        shutdown.clone(),
+        Default::default(),
+    ));
+    let client = Client::new(connector.connect().await.unwrap(), Config::default());
+    let (lent, p): (bool, Payload) = client
+        .call::<rpc_core::Bincode, _, _>(1, "Fill.fill", &(100u64,))
+        .await
+        .unwrap();
+    assert!(
+        lent,
+        "the handler's buffer did not come from its connection"
+    );
+    assert_eq!(&*p, &[0x5a; 100][..]);
+    // the in-process transport hands the payload over as it is: it still holds the buffer
+    assert_eq!(free.load(Ordering::SeqCst), 3);
+    drop(p);
+    assert_eq!(free.load(Ordering::SeqCst), 4, "the buffer did not go back");
+    shutdown.shutdown();
+    serving.await.unwrap();
+}

@@ -24,6 +24,8 @@ pub trait Probe {
     /// Waits until the test opens the gate; reports start and drop.
     async fn block(&self, tag: u64) -> u64;
     async fn explode(&self, why: String) -> u64;
+    /// `len` bytes of `seed` in a buffer from `rdma_rpc::payload_mut`; whether it was lent.
+    async fn fill(&self, len: u64, seed: u8) -> (bool, Payload);
 }
 
 #[derive(Default)]
@@ -224,6 +226,12 @@ impl Probe for ProbeImpl {
     async fn explode(&self, why: String) -> u64 {
         panic!("{why}");
     }
+
+    async fn fill(&self, len: u64, seed: u8) -> (bool, Payload) {
+        let mut buf = rdma_rpc::payload_mut(len as usize);
+        buf.fill(seed);
+        (buf.is_lent(), buf.freeze())
+    }
 }
 
 /// A running probe server.
@@ -233,6 +241,9 @@ pub struct Running {
     pub probes: Probes,
     pub serving: tokio::task::JoinHandle<Result<(), RpcError>>,
     pub stats: Arc<rdma_rpc::core::server::ServerStats>,
+    /// The server's registered pools (RDMA only).
+    #[cfg(feature = "rdma")]
+    pub pools: Option<rdma_rpc::PoolMonitor>,
 }
 
 pub async fn start(bind: &Endpoint, config: Config) -> Running {
@@ -240,6 +251,8 @@ pub async fn start(bind: &Endpoint, config: Config) -> Running {
     let endpoint = server.local_endpoint();
     let shutdown = server.shutdown_handle();
     let stats = server.stats();
+    #[cfg(feature = "rdma")]
+    let pools = server.rdma_pools();
     let (imp, probes) = probe();
     let serving = tokio::spawn(server.serve(ProbeServer::new(imp)));
     Running {
@@ -248,6 +261,8 @@ pub async fn start(bind: &Endpoint, config: Config) -> Running {
         probes,
         serving,
         stats,
+        #[cfg(feature = "rdma")]
+        pools,
     }
 }
 
@@ -288,8 +303,9 @@ pub async fn round_trip_sizes(bind: &Endpoint) {
 }
 
 /// Payloads filled in place in memory the client lends (`Client::payload_mut`) come back
-/// byte-exact, inline and by rendezvous, in a pool class and above it. Over RDMA they are
-/// registered buffers, sent without a copy (the client's pool counters count no copied bytes;
+/// byte-exact, inline and by rendezvous, in a pool class and above it; so do answers a handler
+/// fills in memory its connection lends (`rdma_rpc::payload_mut`). Over RDMA they are
+/// registered buffers, sent without a copy (neither side's pool counters count copied bytes;
 /// the server echoes what it received by pull without one either); over TCP, heap memory.
 pub async fn lent_payloads(bind: &Endpoint) {
     let srv = start(bind, Config::default()).await;
@@ -309,17 +325,27 @@ pub async fn lent_payloads(bind: &Endpoint) {
             "bytes of a slice of a lent {len}-byte payload differ"
         );
     }
+    // and the server's handler fills its answer in memory its connection lends
+    for (i, len) in [1, 100 << 10, 1 << 20, 16 << 20].into_iter().enumerate() {
+        let (lent, p) = client.fill(len, i as u8).await.expect("fill");
+        assert_eq!(lent, rdma, "{len} B lent to the handler by its connection");
+        assert!(
+            p.len() == len as usize && p.iter().all(|b| *b == i as u8),
+            "bytes of a {len}-byte answer filled in place differ"
+        );
+    }
     // (sender-push copies its sources into its pool: only pull sends from where they are)
     #[cfg(feature = "rdma")]
-    if let Some(pools) = client.client().rdma_pools() {
-        let c = pools.counts();
+    if let (Some(pools), Some(server)) = (client.client().rdma_pools(), &srv.pools) {
         let push = bind
             .options()
             .any(|(k, v)| k == "rendezvous" && v == "push");
-        assert!(
-            push || c.copied_bytes == 0,
-            "a lent payload was copied: {c:?}"
-        );
+        for (side, c) in [("client", pools.counts()), ("server", server.counts())] {
+            assert!(
+                push || c.copied_bytes == 0,
+                "{side}: a lent payload was copied: {c:?}"
+            );
+        }
     }
     srv.shutdown.shutdown();
 }
