@@ -344,7 +344,8 @@ impl Client {
     /// or the client is not connected, it is zeroed heap memory, sent as any payload is. A
     /// lent buffer's bytes are not zeroed: write all of them. Sent on a later connection (after
     /// a reconnection) it is copied like heap memory. It goes back to the pool when the last
-    /// clone of its payload is dropped.
+    /// clone of its payload is dropped. The server can read the region it comes from (that is
+    /// how it takes the payload): fill it only with what you send on this connection.
     ///
     /// ```no_run
     /// # async fn f(client: rdma_rpc::Client) {

@@ -370,63 +370,6 @@ mod tests {
         assert_eq!(p.slice(1..), [2u8, 3].as_slice());
     }
 
-    /// A fake lender for these tests: hands out boxed buffers and counts those not yet back.
-    struct FakeLent(Vec<u8>, std::sync::Arc<std::sync::atomic::AtomicUsize>);
-
-    impl AsRef<[u8]> for FakeLent {
-        fn as_ref(&self) -> &[u8] {
-            &self.0
-        }
-    }
-
-    impl Drop for FakeLent {
-        fn drop(&mut self) {
-            self.1.fetch_sub(1, std::sync::atomic::Ordering::SeqCst);
-        }
-    }
-
-    impl LentBuffer for FakeLent {
-        fn bytes(&self) -> &[u8] {
-            &self.0
-        }
-        fn bytes_mut(&mut self) -> &mut [u8] {
-            &mut self.0
-        }
-        fn freeze(self: Box<Self>) -> Payload {
-            Payload::from_owner(*self)
-        }
-    }
-
-    #[test]
-    fn payload_mut_freezes_in_place() {
-        use std::sync::atomic::{AtomicUsize, Ordering};
-        let out = std::sync::Arc::new(AtomicUsize::new(1));
-        let mut m = PayloadMut::lent(Box::new(FakeLent(vec![0xee; 8], out.clone())));
-        assert!(m.is_lent());
-        m.copy_from_slice(b"abcdefgh");
-        let at = m.as_ptr();
-        let p = m.freeze();
-        assert_eq!(p.as_ptr(), at, "freezing copied the bytes");
-        assert_eq!(&*p, b"abcdefgh");
-        let q = p.slice(2..4);
-        drop(p);
-        assert_eq!(out.load(Ordering::SeqCst), 1, "returned while a view lives");
-        drop(q);
-        assert_eq!(out.load(Ordering::SeqCst), 0);
-
-        let mut h = PayloadMut::zeroed(3);
-        assert!(!h.is_lent());
-        assert_eq!(&*h, &[0, 0, 0]);
-        h[1] = 5;
-        let at = h.as_ptr();
-        let p = h.freeze();
-        assert_eq!((p.as_ptr(), &*p), (at, &[0u8, 5, 0][..]));
-        assert_eq!(
-            format!("{:?}", PayloadMut::zeroed(2)),
-            "PayloadMut { len: 2, lent: false }"
-        );
-    }
-
     #[test]
     fn from_owner_drops_owner_with_last_view() {
         use std::sync::atomic::{AtomicUsize, Ordering};

@@ -347,7 +347,8 @@ tokio::task_local! {
 /// came on, where its transport has such memory (RDMA: a registered buffer the client then
 /// reads from where it is). Elsewhere (over TCP, outside a handler or in a task the handler
 /// spawned, or with no buffer free), zeroed heap memory. A lent buffer's bytes are not
-/// zeroed: write all of them.
+/// zeroed: write all of them. The client can read the region it comes from (that is how it
+/// takes the answer): fill it only with what you answer that client.
 pub fn payload_mut(len: usize) -> PayloadMut {
     LENDER
         .try_with(|m| m.lend(len))

@@ -1,8 +1,9 @@
-//! `Client::payload_mut` lends from the transport's memory when it has some, and falls back to
-//! the heap when it has none or lends nothing. The memory here is an in-process fake lender
-//! over the in-process transport (`rpc_core::mem`); the RDMA transport's registered pools are
-//! tested on real devices (`transport-rdma/tests/rpc_guest.rs`,
-//! `lent_payloads_are_sent_without_a_copy`).
+//! `PayloadMut` freezes in place; `Client::payload_mut` lends from the transport's memory when
+//! it has some, and falls back to the heap when it has none or lends nothing; a handler's
+//! `server::payload_mut` lends from its connection's. The memory here is an in-process fake
+//! lender over the in-process transport (`rpc_core::mem`); the RDMA transport's registered
+//! pools are tested on real devices (`transport-rdma/tests/rpc_guest.rs`,
+//! `lent_payloads_are_sent_without_a_copy`, and the suite's `lent_payloads`).
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
@@ -71,6 +72,39 @@ impl Transport for Lending {
             free: self.1.clone(),
         }))
     }
+}
+
+#[test]
+fn payload_mut_freezes_in_place() {
+    let free = Arc::new(AtomicUsize::new(0));
+    let mut m = PayloadMut::lent(Box::new(FakeBuf(vec![0xee; 8], free.clone())));
+    assert!(m.is_lent());
+    m.copy_from_slice(b"abcdefgh");
+    let at = m.as_ptr();
+    let p = m.freeze();
+    assert_eq!(p.as_ptr(), at, "freezing copied the bytes");
+    assert_eq!(&*p, b"abcdefgh");
+    let q = p.slice(2..4);
+    drop(p);
+    assert_eq!(
+        free.load(Ordering::SeqCst),
+        0,
+        "returned while a view lives"
+    );
+    drop(q);
+    assert_eq!(free.load(Ordering::SeqCst), 1);
+
+    let mut h = PayloadMut::zeroed(3);
+    assert!(!h.is_lent());
+    assert_eq!(&*h, &[0, 0, 0]);
+    h[1] = 5;
+    let at = h.as_ptr();
+    let p = h.freeze();
+    assert_eq!((p.as_ptr(), &*p), (at, &[0u8, 5, 0][..]));
+    assert_eq!(
+        format!("{:?}", PayloadMut::zeroed(2)),
+        "PayloadMut { len: 2, lent: false }"
+    );
 }
 
 #[tokio::test]
