@@ -28,8 +28,9 @@ use crate::{Config, RpcError, ServerError, ServerErrorKind};
 
 /// State shared by the call futures and the connection's reader and writer tasks.
 ///
-/// Everything a call touches is behind one lock, taken once to send (register the call and
-/// queue its frame) and once to collect the answer; the reader takes it once per response.
+/// Everything a call touches is behind one lock, taken once to send (register the call with
+/// its waker and queue its frame) and once to collect the answer; the reader takes it once per
+/// turn for every answer it read in that turn.
 struct State {
     table: Mutex<Table>,
     credits: Semaphore,
@@ -37,7 +38,7 @@ struct State {
     closed: CancellationToken,
     /// Set with `closed`; cheap to test on every turn of the reader.
     shut: AtomicBool,
-    /// Set with the table's `going_away`; read without the lock.
+    /// The server said it is draining (go-away): no new calls on this connection.
     going_away: AtomicBool,
     /// The reader task, woken when the connection is closed from this side.
     reader: AtomicWaker,
@@ -60,8 +61,6 @@ struct Table {
     writer: Option<Waker>,
     /// Set once the connection is gone; no call is registered after that.
     closed: bool,
-    /// The server said it is draining.
-    going_away: bool,
 }
 
 struct Slot {
@@ -86,7 +85,6 @@ impl Table {
             outgoing: Vec::new(),
             writer: None,
             closed: false,
-            going_away: false,
         }
     }
 
@@ -565,7 +563,8 @@ impl Future for Answer<'_> {
         if let Some(mut msg) = this.unsent.take() {
             let writer = {
                 let mut t = this.state.lock();
-                if t.closed || t.going_away {
+                let going_away = this.state.going_away.load(Ordering::Acquire);
+                if t.closed || going_away {
                     *this.done = true;
                     return Poll::Ready(Err(if t.closed {
                         RpcError::ConnectionClosed
@@ -811,7 +810,6 @@ fn on_frame(state: &State, msg: Message) -> bool {
         Kind::Pong | Kind::Hello => {}
         Kind::GoAway => {
             tracing::info!("server is draining; no new calls on this connection");
-            state.lock().going_away = true;
             state.going_away.store(true, Ordering::Release);
         }
         Kind::Request | Kind::Cancel => {
