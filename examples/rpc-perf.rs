@@ -676,14 +676,15 @@ async fn run_client(o: &Opts, endpoint: &Endpoint) -> Result<Vec<SizeResult>, Rp
     let max = o.sizes.iter().copied().max().unwrap_or(0);
     // one source per connection, lent by it: a payload is sent without a copy only on the
     // connection whose memory holds it
+    let data = Payload::from(pattern(max));
     let srcs: Vec<Payload> = clients
         .iter()
         .map(|c| {
             if o.heap {
-                return Payload::from(pattern(max));
+                return data.clone();
             }
             let mut buf = c.client().payload_mut(max);
-            buf.copy_from_slice(&pattern(max));
+            buf.copy_from_slice(&data);
             buf.freeze()
         })
         .collect();
