@@ -1,6 +1,7 @@
 //! The caller's side of a connection: request ids, the table of calls in flight, credits,
 //! deadlines and cancellation, over any [`Transport`].
 
+use std::collections::VecDeque;
 use std::fmt;
 use std::future::{poll_fn, Future};
 use std::io;
@@ -11,7 +12,7 @@ use std::task::{Context, Poll, Waker};
 use std::time::Duration;
 
 use futures::task::AtomicWaker;
-use futures::{Sink, SinkExt, Stream, StreamExt};
+use futures::{Sink, Stream, StreamExt};
 use serde::de::DeserializeOwned;
 use serde::Serialize;
 use tokio::sync::{Semaphore, TryAcquireError};
@@ -42,6 +43,9 @@ struct State {
     going_away: AtomicBool,
     /// The reader task, woken when the connection is closed from this side.
     reader: AtomicWaker,
+    /// The transport's writer, shared by the writer task and the caller of a lone call, who
+    /// writes its own frame (see [`Table::writing`]).
+    sink: Box<dyn FrameSink>,
 }
 
 /// The calls in flight and the frames waiting for the writer.
@@ -56,9 +60,14 @@ struct Table {
     /// Calls sent and not yet answered.
     waiting: usize,
     /// Frames for the writer task, in order.
-    outgoing: Vec<Message>,
+    outgoing: VecDeque<Message>,
     /// The writer task, when it waits for frames.
     writer: Option<Waker>,
+    /// Someone (the writer task, or a caller writing its own frame) is using the sink; others
+    /// queue their frames in `outgoing`.
+    writing: bool,
+    /// A caller's frame was handed to the sink but not yet flushed: the writer task finishes.
+    flush_pending: bool,
     /// Set once the connection is gone; no call is registered after that.
     closed: bool,
 }
@@ -82,8 +91,10 @@ impl Table {
             slots: Vec::new(),
             free: Vec::new(),
             waiting: 0,
-            outgoing: Vec::new(),
+            outgoing: VecDeque::new(),
             writer: None,
+            writing: false,
+            flush_pending: false,
             closed: false,
         }
     }
@@ -141,8 +152,33 @@ impl Table {
 
     /// Queues a frame for the writer; returns the writer's waker if it has to be woken.
     fn queue(&mut self, msg: Message) -> Option<Waker> {
-        self.outgoing.push(msg);
+        self.outgoing.push_back(msg);
         self.writer.take()
+    }
+
+    /// Whether the caller of the call just registered should write its frame itself: it is
+    /// the only call in flight and the sink is idle. Claims the sink if so.
+    ///
+    /// That saves the hand-off to the writer task (a wake-up and a task switch) on an idle
+    /// connection. With other calls in flight the frame goes to the writer task as before, so
+    /// that frames share one write.
+    fn claim_sink(&mut self) -> bool {
+        let idle =
+            self.waiting == 1 && !self.writing && !self.flush_pending && self.outgoing.is_empty();
+        self.writing |= idle;
+        idle
+    }
+
+    /// Gives the sink back after a caller's write; returns the writer's waker if it has
+    /// something to do.
+    fn release_sink(&mut self, unflushed: bool) -> Option<Waker> {
+        self.writing = false;
+        self.flush_pending |= unflushed;
+        if self.flush_pending || self.closed || !self.outgoing.is_empty() {
+            self.writer.take()
+        } else {
+            None
+        }
     }
 }
 
@@ -325,6 +361,7 @@ impl Client {
     {
         let window = config.max_in_flight.min(Semaphore::MAX_PERMITS);
         let state = Arc::new(State {
+            sink: Box::new(Mutex::new(writer)),
             table: Mutex::new(Table::new()),
             credits: Semaphore::new(window),
             closed: CancellationToken::new(),
@@ -333,7 +370,7 @@ impl Client {
             reader: AtomicWaker::new(),
         });
         let span = tracing::info_span!("rpc_client", peer = %peer);
-        tokio::spawn(write_loop(writer, state.clone(), coalesce, window).instrument(span.clone()));
+        tokio::spawn(write_loop(state.clone(), coalesce, window).instrument(span.clone()));
         tokio::spawn(read_loop(reader, state.clone(), config.clone()).instrument(span));
         Client {
             inner: Arc::new(Inner {
@@ -577,7 +614,12 @@ impl Future for Answer<'_> {
                 let id = t.register(cx.waker().clone());
                 msg.header.id = id;
                 *this.id = id;
-                t.queue(msg)
+                if t.claim_sink() {
+                    drop(t);
+                    write_own(this.state, cx, msg)
+                } else {
+                    t.queue(msg)
+                }
             };
             if let Some(w) = writer {
                 w.wake();
@@ -664,6 +706,81 @@ fn decode_reply<C: Codec, R: DeserializeOwned>(reply: Message) -> Result<R, RpcE
     }
 }
 
+/// A lone call's caller writes its own frame `msg` (it holds the sink, see
+/// [`Table::claim_sink`]); what the sink cannot take or flush at once is left to the writer
+/// task. Returns the writer's waker if it must be woken.
+fn write_own(state: &State, cx: &mut Context<'_>, msg: Message) -> Option<Waker> {
+    let (unsent, flushed) = match state.sink.feed(cx, msg) {
+        Ok(None) => (None, state.sink.poll_flush(cx)),
+        Ok(Some(msg)) => (Some(msg), Poll::Pending),
+        Err(e) => (None, Poll::Ready(Err(e))),
+    };
+    let mut t = state.lock();
+    if let Some(msg) = unsent {
+        t.outgoing.push_front(msg);
+    }
+    let writer = t.release_sink(flushed.is_pending());
+    drop(t);
+    if let Poll::Ready(Err(e)) = flushed {
+        if !state.is_shut() {
+            tracing::debug!(error = %e, "write failed; closing the connection");
+        }
+        // fails this call too, with ConnectionClosed
+        state.close();
+    }
+    writer
+}
+
+/// The transport's writer behind a lock, so that the writer task and a lone call's caller can
+/// both write (never at once: [`Table::writing`] says who may).
+trait FrameSink: Send + Sync {
+    /// Feeds `msg`; gives it back if the sink is not ready (then `cx` is woken when it is).
+    fn feed(&self, cx: &mut Context<'_>, msg: Message) -> io::Result<Option<Message>>;
+    /// Feeds the frames of `batch`, oldest first, while the sink is ready.
+    fn poll_feed_all(
+        &self,
+        cx: &mut Context<'_>,
+        batch: &mut VecDeque<Message>,
+    ) -> Poll<io::Result<()>>;
+    fn poll_flush(&self, cx: &mut Context<'_>) -> Poll<io::Result<()>>;
+    fn poll_close(&self, cx: &mut Context<'_>) -> Poll<io::Result<()>>;
+}
+
+impl<W> FrameSink for Mutex<W>
+where
+    W: Sink<Message, Error = io::Error> + Send + Unpin,
+{
+    fn feed(&self, cx: &mut Context<'_>, msg: Message) -> io::Result<Option<Message>> {
+        let mut w = self.lock().expect("writer lock");
+        match Pin::new(&mut *w).poll_ready(cx)? {
+            Poll::Ready(()) => Pin::new(&mut *w).start_send(msg).map(|()| None),
+            Poll::Pending => Ok(Some(msg)),
+        }
+    }
+
+    fn poll_feed_all(
+        &self,
+        cx: &mut Context<'_>,
+        batch: &mut VecDeque<Message>,
+    ) -> Poll<io::Result<()>> {
+        let mut w = self.lock().expect("writer lock");
+        while !batch.is_empty() {
+            futures::ready!(Pin::new(&mut *w).poll_ready(cx))?;
+            let msg = batch.pop_front().expect("not empty");
+            Pin::new(&mut *w).start_send(msg)?;
+        }
+        Poll::Ready(Ok(()))
+    }
+
+    fn poll_flush(&self, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Pin::new(&mut *self.lock().expect("writer lock")).poll_flush(cx)
+    }
+
+    fn poll_close(&self, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Pin::new(&mut *self.lock().expect("writer lock")).poll_close(cx)
+    }
+}
+
 /// Drives the transport's writer: waits for queued frames, takes every frame queued so far
 /// and flushes once, so that many calls share one system call (or one doorbell).
 ///
@@ -673,11 +790,9 @@ fn decode_reply<C: Codec, R: DeserializeOwned>(reply: Message) -> Result<R, RpcE
 ///
 /// Once the connection is closed it writes what is still queued, closes the writer and ends;
 /// a failed write closes the connection.
-async fn write_loop<W>(mut writer: W, state: Arc<State>, coalesce: bool, window: usize)
-where
-    W: Sink<Message, Error = io::Error> + Unpin,
-{
-    let mut batch: Vec<Message> = Vec::new();
+async fn write_loop(state: Arc<State>, coalesce: bool, window: usize) {
+    let mut batch: VecDeque<Message> = VecDeque::new();
+    let sink = &*state.sink;
     let result: io::Result<()> = async {
         loop {
             let open = poll_fn(|cx| take_outgoing(&state, &mut batch, Some(cx))).await;
@@ -685,12 +800,11 @@ where
                 tokio::task::yield_now().await;
                 let _ = take_outgoing(&state, &mut batch, None);
             }
-            for msg in batch.drain(..) {
-                writer.feed(msg).await?;
-            }
-            writer.flush().await?;
+            poll_fn(|cx| sink.poll_feed_all(cx, &mut batch)).await?;
+            poll_fn(|cx| sink.poll_flush(cx)).await?;
+            state.lock().writing = false;
             if !open {
-                return writer.close().await;
+                return poll_fn(|cx| sink.poll_close(cx)).await;
             }
         }
     }
@@ -704,19 +818,25 @@ where
 }
 
 /// Moves the queued frames into `batch` (swapping buffers, so neither is reallocated).
-/// Ready with whether the connection is still open once there are frames or it is closed;
-/// otherwise pending, with the writer's waker kept if `cx` is given.
+///
+/// With `cx` (the writer task waiting for work): ready once there are frames, a flush left by a
+/// caller, or the connection is closed, and the sink is free; it then claims the sink and says
+/// whether the connection is still open. Otherwise pending, with the writer's waker kept.
+/// Without `cx` (the writer holds the sink already): takes what was queued since.
 fn take_outgoing(
     state: &State,
-    batch: &mut Vec<Message>,
+    batch: &mut VecDeque<Message>,
     cx: Option<&mut Context<'_>>,
 ) -> Poll<bool> {
     let mut t = state.lock();
-    if t.outgoing.is_empty() && !t.closed {
-        if let Some(cx) = cx {
+    if let Some(cx) = cx {
+        let idle = t.outgoing.is_empty() && !t.flush_pending && !t.closed;
+        if t.writing || idle {
             t.writer = Some(cx.waker().clone());
+            return Poll::Pending;
         }
-        return Poll::Pending;
+        t.writing = true;
+        t.flush_pending = false;
     }
     if batch.is_empty() {
         std::mem::swap(batch, &mut t.outgoing);
