@@ -244,9 +244,9 @@ if [ -x perf/rpc-perf ]; then
     rpcperf "$d" "small-call-default" "" split --op echo --sizes 0 --concurrency 1 --duration 3 --warmup 1
     rpcperf "$d" "small-call-event-mode" "&busy_poll=0" split --op echo --sizes 0 --concurrency 1 --duration 3 --warmup 1
     rpcperf "$d" "64-in-flight" "" one --op echo --sizes 64 --concurrency 64 --threads 2 --duration 3 --warmup 1
-    # 4 in flight (perftest's ib_read_bw keeps up to 16 READs outstanding), from buffers the
-    # connection lends (rpc-perf's default; --heap copies each payload in), and a window long
-    # enough for a dozen 16 MiB calls on rxe
+    # 4 in flight (perftest's ib_read_bw keeps up to 128 READs outstanding on rxe and siw), from
+    # buffers the connection lends (rpc-perf's default; --heap copies each payload in), and a
+    # window long enough for a dozen 16 MiB calls on rxe
     rpcperf "$d" "bandwidth" "" one --op put --sizes 1m,16m --concurrency 4 --threads 2 --duration 8 --warmup 2
   done
 fi
@@ -309,7 +309,8 @@ perf() { # perf DEV TOOL ARGS... : server + client on DEV's address; summary lin
   case $tool in
     ib_send_lat) note "perftest $d $tool$mode ${1} B: typical $5 us, avg $6 us, 99% $8 us ($(el $t))" ;;
     # perftest prints "MB/sec" in units of 2^20 bytes (its format factor is 0x100000)
-    *) note "perftest $d $tool ${1} B x $2: average $4 MiB/s, peak $3 MiB/s ($(el $t))" ;;
+    *) local depth; depth=$(sed -n 's/.*Outstand reads *: *\([0-9]*\).*/\1/p' "$clog" | head -n 1)
+       note "perftest $d $tool ${1} B x $2${depth:+, $depth READs outstanding}: average $4 MiB/s, peak $3 MiB/s ($(el $t))" ;;
   esac
 }
 if [ "${RDMA_TEST_PERFTEST:-1}" = 1 ]; then
@@ -323,6 +324,9 @@ if [ "${RDMA_TEST_PERFTEST:-1}" = 1 ]; then
     # and at the sizes of rdma-rpc's bandwidth figures
     perf "$d" ib_read_bw "${CM[@]}" -n 200 -F -s 1048576
     perf "$d" ib_read_bw "${CM[@]}" -n 20 -F -s 16777216 -t 4
+    # and with one READ outstanding, the depth rdma-rpc's connections get (sideway's
+    # ConnectionParameter leaves responder resources and initiator depth at 1)
+    perf "$d" ib_read_bw "${CM[@]}" -n 200 -F -s 1048576 -o 1
   done
 fi
 
