@@ -818,7 +818,8 @@ impl RdmaConnection {
     /// If `bytes` are a view into this connection's read-exposed rendezvous region (a payload
     /// received on it by pull), the address and key the peer can read them with; that key
     /// lets the peer read, never write. (A payload pushed to us lies in the write-exposed
-    /// region, which is never exposed for reading: it is copied.)
+    /// region, which is never exposed for reading: it is copied to be sent by pull, and
+    /// WRITten from where it is to be sent by push, see `pool_region_of`.)
     pub(crate) fn pool_address_of(&self, bytes: &[u8]) -> Option<(u64, u32)> {
         let bufs = lock(&self.shared.read_bufs);
         let r = bufs.as_ref()?;
@@ -830,6 +831,47 @@ impl RdmaConnection {
         large
             .iter()
             .find_map(|r| r.address_of(bytes).map(|a| (a, r.rkey())))
+    }
+
+    /// The rendezvous region of this connection (read-exposed, write-exposed or a kept large
+    /// one) that `bytes` lie in, if any: a payload lent by it, or received into it.
+    fn pool_region_of(&self, bytes: &[u8]) -> Option<Arc<PoolRegion>> {
+        for m in [&self.shared.read_bufs, &self.shared.write_bufs] {
+            if let Some(r) = lock(m).as_ref() {
+                if r.local_address_of(bytes).is_some() {
+                    return Some(Arc::clone(r));
+                }
+            }
+        }
+        lock(&self.shared.large)
+            .iter()
+            .find(|r| r.local_address_of(bytes).is_some())
+            .cloned()
+    }
+
+    /// Whether `payload` can be written to the peer from where it is (see
+    /// [`RdmaConnection::write_from_view`]).
+    pub(crate) fn can_write_from(&self, payload: &[u8]) -> bool {
+        self.pool_region_of(payload).is_some()
+    }
+
+    /// RDMA WRITE of `payload`, a view of one of this connection's rendezvous regions, into
+    /// the peer's granted buffer, without a copy. If this future is dropped, the payload stays
+    /// with the QP until the WRITE's completion arrives (or the QP is destroyed).
+    pub(crate) async fn write_from_view(
+        &self,
+        payload: rpc_core::Payload,
+        dst: &RemoteToken,
+    ) -> Result<(), RdmaError> {
+        let remote = Self::remote(dst, 0, payload.len())?;
+        let region = self.pool_region_of(&payload).ok_or_else(|| {
+            RdmaError::InvalidArgument("payload is not in this connection's pools".into())
+        })?;
+        let _permit = self.one_sided_permit().await?;
+        let rx = post(&self.shared, |qp| {
+            qp.post_write_view(&region, payload, remote)
+        })?;
+        wait_completion(&self.shared, rx).await.res
     }
 
     /// RDMA READ of `len` bytes of the peer's exposed buffer into pool buffer `buf`, handed back
@@ -985,6 +1027,9 @@ impl RdmaConnection {
                     .to_vec();
                 Ok(Some(data.into()))
             }
+            RecvEvent::Data(Mem::View { .. }, _) => Err(RdmaError::InvalidArgument(
+                "a receive completed into a WRITE's source".into(),
+            )),
             RecvEvent::Eof => Ok(None),
             RecvEvent::Failed { err, flushed } => {
                 // A disconnect moves the QP to the error state, which flushes the posted

@@ -82,9 +82,12 @@
 //! copied into a pool buffer before it goes ([`PoolCounts::copied_bytes`] counts those bytes).
 //! A client fills its payload in a buffer the connection lends instead
 //! (`rpc_core::Client::payload_mut`, the same on the facade's `Client`): a pool buffer for
-//! sources, in the read-exposed region, which the peer READs from where it is. A payload
-//! received by pull is such a buffer too, so echoing or forwarding it on the same connection
-//! copies nothing either. (Push sources are always copied; pull is the default.)
+//! sources, in the read-exposed region, which the peer READs from where it is (or which we
+//! WRITE from where it is, under sender-push). A payload received by pull is such a buffer too,
+//! and so is one received by push into a pool buffer, so echoing or forwarding it on the same
+//! connection copies nothing either: a push source is WRITten from any of the connection's
+//! rendezvous regions (a WRITE's source needs no remote access), while only the read-exposed
+//! one is ever offered to the peer for reading.
 //!
 //! # Credits and windows
 //!

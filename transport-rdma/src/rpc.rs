@@ -491,9 +491,9 @@ enum Held {
     Empty,
     /// a pool buffer the attachment was copied into
     Pool(PoolBuf),
-    /// the attachment itself, already a view of this connection's pool (a payload received on
-    /// it): no copy; the payload keeps its buffer out of the pool
-    View(#[allow(dead_code)] Payload),
+    /// the attachment itself, already a view of this connection's pool (lent by it, or a
+    /// payload received on it): no copy; the payload keeps its buffer out of the pool
+    View(Payload),
     /// the pool had no buffer: one registered for this transfer only
     Own {
         // drop order: revoke the peer's access, free the memory, then release its budget
@@ -713,14 +713,17 @@ impl Engine {
                     .await
             }
             Plan::Rendezvous(Direction::Push) => {
-                // the sources: copies in pool buffers (or, the pool exhausted, a registered
-                // buffer), written to the peer's grant when its Cts comes
+                // the sources, written to the peer's grant when its Cts comes: a payload that
+                // lies in this connection's pools (lent by it, or received on it) as it is;
+                // others copied into pool buffers (or, the pool exhausted, a registered buffer)
                 let mut held = Vec::with_capacity(msg.attachments.len());
                 let mut lens = Vec::with_capacity(msg.attachments.len());
                 for a in &msg.attachments {
                     lens.push(a.len() as u64);
                     if a.is_empty() {
                         held.push(Held::Empty);
+                    } else if self.conn.can_write_from(a) {
+                        held.push(Held::View(a.clone()));
                     } else if let Some(mut buf) = self.conn.lease_buffer(a.len(), PoolUse::Source) {
                         buf.bytes_mut().copy_from_slice(a);
                         self.pool.count_copy(a.len());
@@ -1006,9 +1009,10 @@ impl Engine {
                 // the buffer goes back to the pool once the WRITE completed
                 Held::Pool(buf) => drop(self.conn.write_from_pool(buf, &token, len).await?),
                 Held::Local(mut buf) => self.conn.write(&mut buf, 0, &token, 0, len).await?,
-                Held::View(_) | Held::Own { .. } => {
+                Held::View(p) => self.conn.write_from_view(p, &token).await?,
+                Held::Own { .. } => {
                     return Err(RdmaError::InvalidArgument(
-                        "push source neither a pool nor a local buffer".into(),
+                        "push source neither a pool, a view nor a local buffer".into(),
                     ))
                 }
             }

@@ -623,6 +623,13 @@ pub(crate) enum Mem {
     Region(Arc<Region>),
     /// a buffer of a connection's registered pool
     Pool(PoolBuf),
+    /// a frozen payload whose bytes lie in a pool region of the connection, the source of a
+    /// WRITE: the payload keeps its buffer leased (so its bytes are neither reused nor
+    /// changed), the region keeps them allocated and registered
+    View {
+        _payload: rpc_core::Payload,
+        _region: Arc<PoolRegion>,
+    },
 }
 
 struct InFlight {
@@ -1052,6 +1059,62 @@ impl Qp {
         remote: RemoteAddr,
     ) -> Result<u64, (RdmaError, PoolBuf)> {
         self.post_pool_op(WrKind::Write, buf, len, remote)
+    }
+
+    /// Posts a signaled RDMA WRITE of `payload`'s bytes, which lie in `region` (a pool region
+    /// of this QP's connection), to `remote`; the work request keeps the payload and the
+    /// region until it is retired, so the bytes stay registered and unchanged meanwhile.
+    pub(crate) fn post_write_view(
+        &self,
+        region: &Arc<PoolRegion>,
+        payload: rpc_core::Payload,
+        remote: RemoteAddr,
+    ) -> Result<u64, RdmaError> {
+        if !Arc::ptr_eq(&region.device, &self.device) {
+            return Err(RdmaError::InvalidArgument(
+                "pool region registered on another connection's device/PD".into(),
+            ));
+        }
+        let Some(addr) = region.local_address_of(&payload) else {
+            return Err(RdmaError::InvalidArgument(
+                "payload is not a view of the given pool region".into(),
+            ));
+        };
+        let len = payload.len();
+        if len > u32::MAX as usize {
+            return Err(RdmaError::InvalidArgument(format!(
+                "{len} bytes exceed one work request"
+            )));
+        }
+        let lkey = region.mr.lkey();
+        let wr_id = self.new_wr_id(WrKind::Write);
+        let mut inflight = self.inflight.lock().unwrap_or_else(|p| p.into_inner());
+        inflight.insert(
+            wr_id,
+            InFlight {
+                _mr: None,
+                mem: Mem::View {
+                    _payload: payload,
+                    _region: Arc::clone(region),
+                },
+            },
+        );
+        // `addr..addr+len` lies inside the region (checked above), which its `Arc`, now in
+        // `inflight`, keeps allocated and registered under `lkey`; the payload beside it keeps
+        // those bytes leased and frozen, so nothing writes them while the device reads them
+        let res = self.post_send_wr(
+            wr_id,
+            ibv_wr_opcode::IBV_WR_RDMA_WRITE,
+            (lkey, addr, len),
+            Some(remote),
+        );
+        res.map(|()| wr_id).map_err(|e| {
+            inflight.remove(&wr_id);
+            RdmaError::Verbs {
+                op: "ibv_post_send (RDMA WRITE)",
+                source: Box::new(e),
+            }
+        })
     }
 
     fn post_pool_op(
@@ -1516,7 +1579,8 @@ pub(crate) enum PoolAccess {
 ///   peer may read anything in this region (data sent to it, or data it sent us), which is what
 ///   lets a pulled payload be re-exposed without a copy.
 /// - the *write-exposed* region (`REMOTE_WRITE`, no `REMOTE_READ`: nothing in it is ever
-///   re-exposed for reading, a payload pushed to us is copied if it is sent on) holds only the
+///   re-exposed for reading: a payload pushed to us is copied if it is sent on by pull, WRITten
+///   from where it is if by push) holds only the
 ///   buffers we grant the peer to push into. **What remains:** the peer's key covers the whole
 ///   region for the connection's life, so a buffer granted to a push stays writable by that
 ///   peer after its `PushDone`, while the handler holds the payload delivered in it (and any
@@ -1613,6 +1677,16 @@ impl PoolRegion {
         if self.access != PoolAccess::RemoteRead {
             return None;
         }
+        let start = self.ptr.as_ptr() as usize;
+        let p = bytes.as_ptr() as usize;
+        (!bytes.is_empty() && p >= start && p + bytes.len() <= start + self.len).then_some(p as u64)
+    }
+}
+
+impl PoolRegion {
+    /// If `bytes` lie inside this region, whatever it exposes, their address (for a local
+    /// work request).
+    pub(crate) fn local_address_of(&self, bytes: &[u8]) -> Option<u64> {
         let start = self.ptr.as_ptr() as usize;
         let p = bytes.as_ptr() as usize;
         (!bytes.is_empty() && p >= start && p + bytes.len() <= start + self.len).then_some(p as u64)

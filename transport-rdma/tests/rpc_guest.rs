@@ -700,12 +700,35 @@ async fn large_attachments_reuse_registered_buffers() {
 /// the pool while its payload lives; once the connection is gone, heap memory is lent instead.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn lent_payloads_are_sent_without_a_copy() {
-    let (dev, addr) = target(20_191);
+    sent_without_a_copy(
+        20_191,
+        RdmaOptions::default(),
+        &[64 << 10, 1 << 20, 16 << 20],
+    )
+    .await;
+}
+
+/// The same by sender-push: the client WRITEs a lent payload from where it is, and the server
+/// WRITEs back what was pushed into its granted buffer from there, no copy on either side. (At
+/// pool-class sizes: a push above the largest class lands in a buffer registered for that
+/// transfer, which is copied if it is sent on.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn lent_payloads_are_pushed_without_a_copy() {
+    let push = RdmaOptions {
+        push_up_to: u64::MAX,
+        ..RdmaOptions::default()
+    };
+    sent_without_a_copy(20_193, push, &[64 << 10, 1 << 20]).await;
+}
+
+async fn sent_without_a_copy(port: u16, opts: RdmaOptions, sizes: &[usize]) {
+    let (dev, addr) = target(port);
+    let sizes = sizes.to_vec();
     tokio::time::timeout(LIMIT, async move {
         let config = Config::default();
-        let srv = BlobServer::start(addr, &config, RdmaOptions::default());
+        let srv = BlobServer::start(addr, &config, opts.clone());
         let server_pools = srv.pools.clone();
-        let transport = RdmaTransport::connect(addr, config.clone(), RdmaOptions::default())
+        let transport = RdmaTransport::connect(addr, config.clone(), opts.clone())
             .await
             .expect("connect");
         let pools = transport.pool_monitor();
@@ -721,7 +744,7 @@ async fn lent_payloads_are_sent_without_a_copy() {
                 assert!(back[..] == p[..], "echo of {} B differs", p.len());
             }
         };
-        for (i, len) in [64usize << 10, 1 << 20, 16 << 20].into_iter().enumerate() {
+        for (i, len) in sizes.into_iter().enumerate() {
             let mut buf = client.payload_mut(len);
             assert!(buf.is_lent(), "{len} B: the connection lent no buffer");
             assert_eq!(buf.len(), len);
@@ -749,7 +772,7 @@ async fn lent_payloads_are_sent_without_a_copy() {
         let s = server_pools.counts();
         assert_eq!(
             s.copied_bytes, 0,
-            "the server copied a payload it had received by pull: {s:?}"
+            "the server copied a payload it had received: {s:?}"
         );
         // a heap payload: one copy per send
         let before = pools.counts();
