@@ -99,9 +99,10 @@ struct Shared {
     write_bufs: Mutex<Option<Arc<PoolRegion>>>,
     /// the layout of each rendezvous region
     pool_classes: Vec<SizeClass>,
-    /// read-exposed regions of one buffer each, for sources and READ sinks larger than the
-    /// rendezvous pool's largest class: registered on first need and kept for reuse, at most
-    /// `large_cap` bytes together (see `Shared::lease_large`)
+    /// regions of one buffer each, for attachments larger than the rendezvous pool's largest
+    /// class: read-exposed for sources and READ sinks, write-exposed for push grants;
+    /// registered on first need and kept for reuse, at most `large_cap` bytes together (see
+    /// `Shared::lease_large`)
     large: Mutex<Vec<Arc<PoolRegion>>>,
     large_cap: u64,
     monitor: PoolMonitor,
@@ -355,26 +356,35 @@ impl Shared {
     /// Lends a rendezvous buffer of `len` bytes for `use_` from the connection's registered
     /// region for it (see [`PoolUse`]).
     ///
-    /// A source or READ sink larger than the pool's largest class comes from a region of its
-    /// own, kept for the next one (see [`RdmaOptions::large_buffer_bytes`]); `None` when the
-    /// pool is exhausted, or those regions are all busy and no more may be registered.
+    /// A buffer larger than the pool's largest class comes from a region of its own with the
+    /// access of `use_`, kept for the next one (see [`RdmaOptions::large_buffer_bytes`]);
+    /// `None` when the pool is exhausted, or those regions are all busy and no more may be
+    /// registered.
     fn lease_buffer(&self, len: usize, use_: PoolUse) -> Option<PoolBuf> {
         if let Some(buf) = PoolRegion::lease(&self.rendezvous_pool(use_)?, len) {
             return Some(buf);
         }
         let largest = self.pool_classes.iter().map(|c| c.size).max();
-        if use_ == PoolUse::PushGrant || largest.is_some_and(|l| len <= l) {
+        if largest.is_some_and(|l| len <= l) {
             return None;
         }
-        self.lease_large(len)
+        let access = match use_ {
+            PoolUse::Source | PoolUse::PullSink => PoolAccess::RemoteRead,
+            PoolUse::PushGrant => PoolAccess::RemoteWrite,
+        };
+        self.lease_large(len, access)
     }
 
-    /// A buffer of `len` bytes from a large region: a free one that fits, else a new region of
-    /// `len` rounded up to a power of two, after dropping free ones (smallest first) to stay
-    /// within `large_cap`.
-    fn lease_large(&self, len: usize) -> Option<PoolBuf> {
+    /// A buffer of `len` bytes from a large region of `access`: a free one that fits, else a
+    /// new region of `len` rounded up to a power of two, after dropping free ones (of either
+    /// access, smallest first) to stay within `large_cap`.
+    fn lease_large(&self, len: usize, access: PoolAccess) -> Option<PoolBuf> {
         let mut large = lock(&self.large);
-        if let Some(buf) = large.iter().find_map(|r| PoolRegion::lease(r, len)) {
+        if let Some(buf) = large
+            .iter()
+            .filter(|r| r.access() == access)
+            .find_map(|r| PoolRegion::lease(r, len))
+        {
             return Some(buf);
         }
         let size = len.checked_next_power_of_two()?;
@@ -395,8 +405,8 @@ impl Shared {
             total -= large.swap_remove(free).len() as u64;
         }
         let class = SizeClass { size, count: 1 };
-        let region = layout(&[class])
-            .and_then(|pool| PoolRegion::new(self.qp.device(), pool, PoolAccess::RemoteRead));
+        let region =
+            layout(&[class]).and_then(|pool| PoolRegion::new(self.qp.device(), pool, access));
         match region {
             Ok(r) => {
                 self.monitor.track(&r);

@@ -30,10 +30,11 @@
 //!   exposed as it is) and sinks of the peer's (the RDMA READ lands in a pool buffer, and the
 //!   received [`rpc_core::Payload`] is a view of it, returned to the pool when dropped); for
 //!   push transfers, the sources we RDMA-WRITE from and the buffers we grant the peer to
-//!   write into (delivered as views in the same way). A pull source or READ sink larger
-//!   than the pool's largest class gets a read-exposed region of its own (its size rounded up
-//!   to a power of two), kept for the next such attachment, up to
-//!   [`RdmaOptions::large_buffer_bytes`] per connection (free ones are dropped to make room).
+//!   write into (delivered as views in the same way). An attachment larger than the pool's
+//!   largest class gets a region of its own (its size rounded up to a power of two;
+//!   read-exposed for a pull source or READ sink, write-exposed for a push grant), kept for
+//!   the next such attachment, up to [`RdmaOptions::large_buffer_bytes`] per connection (free
+//!   ones are dropped to make room).
 //!   When the pool cannot lend (exhausted, or a large attachment finds no kept region and no
 //!   room for one) a buffer is registered for that transfer alone rather than waiting (two
 //!   peers waiting for each other's `Fin` could deadlock);
@@ -255,9 +256,10 @@ pub struct RdmaOptions {
     /// "Shared receive queue", for what that costs). Ignored by `connect`.
     pub srq_slots: usize,
     /// Registered memory, per connection, kept for attachments larger than the rendezvous
-    /// pool's largest class (pull sources and READ sinks): such an attachment gets a buffer of
-    /// its size rounded up to a power of two, registered on first need and reused by the next
-    /// ones, so steady large transfers register nothing. Beyond this many bytes (all in use),
+    /// pool's largest class (pull sources, READ sinks, push grants): such an attachment gets a
+    /// buffer of its size rounded up to a power of two, registered on first need (read-exposed,
+    /// or write-exposed for a push grant) and reused by the next ones, so steady large
+    /// transfers register nothing. Beyond this many bytes (all in use),
     /// a transfer registers a buffer for itself (`PoolCounts::fallback_registrations`). 0: never
     /// keep one.
     pub large_buffer_bytes: u64,

@@ -1665,6 +1665,11 @@ impl PoolRegion {
         self.mr.rkey()
     }
 
+    /// What the peer may do through the region's key.
+    pub(crate) fn access(&self) -> PoolAccess {
+        self.access
+    }
+
     /// The registered bytes.
     pub(crate) fn len(&self) -> usize {
         self.len

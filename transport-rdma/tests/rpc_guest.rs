@@ -604,12 +604,28 @@ fn rss_kib() -> u64 {
 /// bound at 0 each such transfer registers a buffer of its own, as before.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn large_attachments_reuse_registered_buffers() {
-    let (dev, addr) = target(20_181);
+    large_attachments(20_181, RdmaOptions::default()).await;
+}
+
+/// The same by sender-push: the grants for large pushes come from kept write-exposed regions,
+/// and the server sends what was pushed to it back from there.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn large_pushes_reuse_registered_buffers() {
+    let push = RdmaOptions {
+        push_up_to: u64::MAX,
+        ..RdmaOptions::default()
+    };
+    large_attachments(20_185, push).await;
+}
+
+async fn large_attachments(port: u16, opts: RdmaOptions) {
+    let (dev, addr) = target(port);
+    let push = opts.push_up_to > 0;
     tokio::time::timeout(LIMIT, async move {
         let config = Config::default();
-        let srv = BlobServer::start(addr, &config, RdmaOptions::default());
+        let srv = BlobServer::start(addr, &config, opts.clone());
         let server_pools = srv.pools.clone();
-        let transport = RdmaTransport::connect(addr, config.clone(), RdmaOptions::default())
+        let transport = RdmaTransport::connect(addr, config.clone(), opts.clone())
             .await
             .expect("connect");
         let pools = transport.pool_monitor();
@@ -640,7 +656,9 @@ async fn large_attachments_reuse_registered_buffers() {
             "device {dev}: 6 echoes of 16 MiB and one of 32 MiB in {:.0} ms",
             t0.elapsed().as_secs_f64() * 1e3
         );
-        let base = 16u64 << 20; // receive slots (1 MiB) and the rendezvous pool (15 MiB)
+        // receive slots (1 MiB) and the rendezvous pool (15 MiB), under push its write-exposed
+        // part too (15 MiB)
+        let base = if push { 31u64 << 20 } else { 16 << 20 };
         for (side, mon) in [("client", &pools), ("server", &server_pools)] {
             let c = settle(side, mon, |c| c.outstanding() == posted).await;
             println!("device {dev}: {side} after the large echoes: {c:?}");
@@ -648,6 +666,9 @@ async fn large_attachments_reuse_registered_buffers() {
                 c.fallback_registrations, 0,
                 "{side}: a transfer registered a buffer: {c:?}"
             );
+            if side == "server" {
+                assert_eq!(c.copied_bytes, 0, "server: an echo was copied: {c:?}");
+            }
             assert!(
                 c.registered_bytes <= base + transport_rdma::DEFAULT_LARGE_BUFFER_BYTES,
                 "{side}: {} bytes registered",
@@ -663,7 +684,7 @@ async fn large_attachments_reuse_registered_buffers() {
         // the bound at 0: every large transfer registers its own buffer
         let opts = RdmaOptions {
             large_buffer_bytes: 0,
-            ..RdmaOptions::default()
+            ..opts
         };
         let transport = RdmaTransport::connect(addr, config.clone(), opts)
             .await
@@ -676,7 +697,7 @@ async fn large_attachments_reuse_registered_buffers() {
         let c = settle("bound 0", &pools, |c| c.outstanding() == posted).await;
         assert_eq!(
             c.fallback_registrations, 4,
-            "a registration for each source and sink: {c:?}"
+            "a registration for each source and sink (or grant): {c:?}"
         );
         drop(client);
         settle("second client closed", &pools, |c| {
@@ -709,16 +730,15 @@ async fn lent_payloads_are_sent_without_a_copy() {
 }
 
 /// The same by sender-push: the client WRITEs a lent payload from where it is, and the server
-/// WRITEs back what was pushed into its granted buffer from there, no copy on either side. (At
-/// pool-class sizes: a push above the largest class lands in a buffer registered for that
-/// transfer, which is copied if it is sent on.)
+/// WRITEs back what was pushed into its granted buffer from there (a pool buffer, or at 16 MiB
+/// a kept write-exposed region), no copy on either side.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn lent_payloads_are_pushed_without_a_copy() {
     let push = RdmaOptions {
         push_up_to: u64::MAX,
         ..RdmaOptions::default()
     };
-    sent_without_a_copy(20_193, push, &[64 << 10, 1 << 20]).await;
+    sent_without_a_copy(20_193, push, &[64 << 10, 1 << 20, 16 << 20]).await;
 }
 
 async fn sent_without_a_copy(port: u16, opts: RdmaOptions, sizes: &[usize]) {
