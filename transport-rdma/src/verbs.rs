@@ -624,8 +624,8 @@ pub(crate) enum Mem {
     /// a buffer of a connection's registered pool
     Pool(PoolBuf),
     /// a frozen payload whose bytes lie in a pool region of the connection, the source of a
-    /// WRITE: the payload keeps its buffer leased (so its bytes are neither reused nor
-    /// changed), the region keeps them allocated and registered
+    /// WRITE: the payload keeps its buffer leased (so this side neither reuses nor changes its
+    /// bytes), the region keeps them allocated and registered
     View {
         _payload: rpc_core::Payload,
         _region: Arc<PoolRegion>,
@@ -1101,7 +1101,8 @@ impl Qp {
         );
         // `addr..addr+len` lies inside the region (checked above), which its `Arc`, now in
         // `inflight`, keeps allocated and registered under `lkey`; the payload beside it keeps
-        // those bytes leased and frozen, so nothing writes them while the device reads them
+        // those bytes leased and frozen, so nothing on this side writes them while the device
+        // reads them (in a write-exposed region the peer still may: see `PoolRegion`)
         let res = self.post_send_wr(
             wr_id,
             ibv_wr_opcode::IBV_WR_RDMA_WRITE,
