@@ -361,7 +361,7 @@ impl Client {
     {
         let window = config.max_in_flight.min(Semaphore::MAX_PERMITS);
         let state = Arc::new(State {
-            sink: Box::new(Mutex::new(writer)),
+            sink: Box::new(Mutex::new(Some(writer))),
             table: Mutex::new(Table::new()),
             credits: Semaphore::new(window),
             closed: CancellationToken::new(),
@@ -732,8 +732,12 @@ fn write_own(state: &State, cx: &mut Context<'_>, msg: Message) -> Option<Waker>
 }
 
 /// The transport's writer behind a lock, so that the writer task and a lone call's caller can
-/// both write (never at once: [`Table::writing`] says who may).
+/// both write (never at once: [`Table::writing`] says who may). The writer task drops it when
+/// the connection ends ([`FrameSink::release`]), so that a dead connection's transport is freed
+/// while handles of its client live on; a write after that fails as on a closed connection.
 trait FrameSink: Send + Sync {
+    /// Drops the transport's writer.
+    fn release(&self);
     /// Feeds `msg`; gives it back if the sink is not ready (then `cx` is woken when it is).
     fn feed(&self, cx: &mut Context<'_>, msg: Message) -> io::Result<Option<Message>>;
     /// Feeds the frames of `batch`, oldest first, while the sink is ready.
@@ -746,15 +750,43 @@ trait FrameSink: Send + Sync {
     fn poll_close(&self, cx: &mut Context<'_>) -> Poll<io::Result<()>>;
 }
 
-impl<W> FrameSink for Mutex<W>
+fn released() -> io::Error {
+    io::Error::new(io::ErrorKind::BrokenPipe, "the connection is closed")
+}
+
+/// Polls `f` on the writer, unless it was released.
+fn with_writer<W, T>(
+    sink: &Mutex<Option<W>>,
+    f: impl FnOnce(Pin<&mut W>) -> Poll<io::Result<T>>,
+) -> Poll<io::Result<T>>
+where
+    W: Unpin,
+{
+    match sink.lock().expect("writer lock").as_mut() {
+        Some(w) => f(Pin::new(w)),
+        None => Poll::Ready(Err(released())),
+    }
+}
+
+impl<W> FrameSink for Mutex<Option<W>>
 where
     W: Sink<Message, Error = io::Error> + Send + Unpin,
 {
+    fn release(&self) {
+        let writer = self.lock().expect("writer lock").take();
+        drop(writer);
+    }
+
     fn feed(&self, cx: &mut Context<'_>, msg: Message) -> io::Result<Option<Message>> {
-        let mut w = self.lock().expect("writer lock");
-        match Pin::new(&mut *w).poll_ready(cx)? {
-            Poll::Ready(()) => Pin::new(&mut *w).start_send(msg).map(|()| None),
-            Poll::Pending => Ok(Some(msg)),
+        let mut msg = Some(msg);
+        let fed = with_writer(self, |mut w| {
+            futures::ready!(w.as_mut().poll_ready(cx))?;
+            let msg = msg.take().expect("fed once");
+            Poll::Ready(w.start_send(msg))
+        });
+        match fed {
+            Poll::Ready(r) => r.map(|()| None),
+            Poll::Pending => Ok(msg),
         }
     }
 
@@ -763,21 +795,26 @@ where
         cx: &mut Context<'_>,
         batch: &mut VecDeque<Message>,
     ) -> Poll<io::Result<()>> {
-        let mut w = self.lock().expect("writer lock");
-        while !batch.is_empty() {
-            futures::ready!(Pin::new(&mut *w).poll_ready(cx))?;
-            let msg = batch.pop_front().expect("not empty");
-            Pin::new(&mut *w).start_send(msg)?;
-        }
-        Poll::Ready(Ok(()))
+        with_writer(self, |mut w| {
+            while let Some(msg) = batch.pop_front() {
+                match w.as_mut().poll_ready(cx) {
+                    Poll::Ready(Ok(())) => w.as_mut().start_send(msg)?,
+                    other => {
+                        batch.push_front(msg);
+                        return other;
+                    }
+                }
+            }
+            Poll::Ready(Ok(()))
+        })
     }
 
     fn poll_flush(&self, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
-        Pin::new(&mut *self.lock().expect("writer lock")).poll_flush(cx)
+        with_writer(self, |w| w.poll_flush(cx))
     }
 
     fn poll_close(&self, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
-        Pin::new(&mut *self.lock().expect("writer lock")).poll_close(cx)
+        with_writer(self, |w| w.poll_close(cx))
     }
 }
 
@@ -815,6 +852,9 @@ async fn write_loop(state: Arc<State>, coalesce: bool, window: usize) {
         }
     }
     state.close();
+    // the connection is over: free the transport's writer now, not when the last handle of
+    // the client goes (a caller still writing holds the lock; it then finds it released)
+    state.sink.release();
 }
 
 /// Moves the queued frames into `batch` (swapping buffers, so neither is reallocated).

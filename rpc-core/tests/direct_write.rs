@@ -12,7 +12,7 @@ use std::task::{Context, Poll};
 use futures::{FutureExt, Sink, Stream};
 use rpc_core::wire::{Header, Kind, Message};
 use rpc_core::{Bincode, Client, Config, RpcError, Transport};
-use tokio::sync::mpsc;
+use tokio::sync::{mpsc, oneshot};
 
 /// What the fake sink does on its next calls, and what it saw.
 #[derive(Default)]
@@ -37,11 +37,22 @@ struct Scripted {
     script: Arc<Mutex<Script>>,
     sent: mpsc::UnboundedSender<Message>,
     answers: mpsc::UnboundedReceiver<Message>,
+    dropped: oneshot::Sender<()>,
 }
 
 struct ScriptedSink {
     script: Arc<Mutex<Script>>,
     sent: mpsc::UnboundedSender<Message>,
+    /// told when the sink is dropped
+    dropped: Option<oneshot::Sender<()>>,
+}
+
+impl Drop for ScriptedSink {
+    fn drop(&mut self) {
+        if let Some(tx) = self.dropped.take() {
+            let _ = tx.send(());
+        }
+    }
 }
 
 struct ScriptedStream(mpsc::UnboundedReceiver<Message>);
@@ -55,6 +66,7 @@ impl Transport for Scripted {
             ScriptedSink {
                 script: self.script,
                 sent: self.sent,
+                dropped: Some(self.dropped),
             },
         )
     }
@@ -114,17 +126,20 @@ struct Peer {
     script: Arc<Mutex<Script>>,
     sent: mpsc::UnboundedReceiver<Message>,
     answer: mpsc::UnboundedSender<Message>,
+    sink_dropped: oneshot::Receiver<()>,
 }
 
 fn connect(script: Script) -> Peer {
     let script = Arc::new(Mutex::new(script));
     let (sent_tx, sent) = mpsc::unbounded_channel();
     let (answer, answers) = mpsc::unbounded_channel();
+    let (dropped, sink_dropped) = oneshot::channel();
     let client = Client::new(
         Scripted {
             script: script.clone(),
             sent: sent_tx,
             answers,
+            dropped,
         },
         Config::default(),
     );
@@ -133,6 +148,7 @@ fn connect(script: Script) -> Peer {
         script,
         sent,
         answer,
+        sink_dropped,
     }
 }
 
@@ -238,5 +254,23 @@ async fn a_failed_write_fails_the_call_and_closes_the_connection() {
     assert!(matches!(err, RpcError::ConnectionClosed), "{err:?}");
     assert!(peer.client.is_closed());
     let err = call(&peer.client, 15).await.unwrap_err();
+    assert!(matches!(err, RpcError::ConnectionClosed), "{err:?}");
+}
+
+#[tokio::test(flavor = "current_thread")]
+async fn a_dead_connection_frees_its_writer_while_the_client_lives() {
+    let mut peer = connect(Script::default());
+    let c = tokio::spawn(call(&peer.client, 16));
+    peer.echo_one().await;
+    assert_eq!(c.await.unwrap().unwrap(), 16);
+    // the peer goes away: the reader sees the end of the stream
+    drop(peer.answer);
+    peer.client.closed().await;
+    // the transport's writer is dropped (its resources freed) though the client handle lives
+    tokio::time::timeout(std::time::Duration::from_secs(10), peer.sink_dropped)
+        .await
+        .expect("the writer of a dead connection was not dropped")
+        .expect("dropped once");
+    let err = call(&peer.client, 17).await.unwrap_err();
     assert!(matches!(err, RpcError::ConnectionClosed), "{err:?}");
 }
