@@ -831,16 +831,8 @@ impl RdmaConnection {
     /// region, which is never exposed for reading: it is copied to be sent by pull, and
     /// WRITten from where it is to be sent by push, see `pool_region_of`.)
     pub(crate) fn pool_address_of(&self, bytes: &[u8]) -> Option<(u64, u32)> {
-        let bufs = lock(&self.shared.read_bufs);
-        let r = bufs.as_ref()?;
-        if let Some(a) = r.address_of(bytes) {
-            return Some((a, r.rkey()));
-        }
-        drop(bufs);
-        let large = lock(&self.shared.large);
-        large
-            .iter()
-            .find_map(|r| r.address_of(bytes).map(|a| (a, r.rkey())))
+        let r = self.pool_region_of(bytes)?;
+        r.address_of(bytes).map(|a| (a, r.rkey()))
     }
 
     /// The rendezvous region of this connection (read-exposed, write-exposed or a kept large

@@ -1683,13 +1683,9 @@ impl PoolRegion {
         if self.access != PoolAccess::RemoteRead {
             return None;
         }
-        let start = self.ptr.as_ptr() as usize;
-        let p = bytes.as_ptr() as usize;
-        (!bytes.is_empty() && p >= start && p + bytes.len() <= start + self.len).then_some(p as u64)
+        self.local_address_of(bytes)
     }
-}
 
-impl PoolRegion {
     /// If `bytes` lie inside this region, whatever it exposes, their address (for a local
     /// work request).
     pub(crate) fn local_address_of(&self, bytes: &[u8]) -> Option<u64> {
