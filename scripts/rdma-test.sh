@@ -136,6 +136,18 @@ if [ "${RDMA_TEST_RPCPERF:-1}" = 1 ]; then
     [ -n "$exe" ] || { echo "rdma-test: no executable for $tool" >&2; exit 1; }
     cp "$exe" "$OUT/perf/$tool"
   done
+  # the connection layer's own SEND/RECV ping-pong: the floor under rpc-perf's small call
+  say "building verbs-pingpong"
+  if ! cargo build --manifest-path "$MANIFEST" --profile "$PROFILE" -p transport-rdma --example verbs-pingpong \
+         --message-format=json-render-diagnostics >"$OUT/logs/example-verbs-pingpong.json" 2>>"$OUT/logs/cargo-build.log"; then
+    echo "rdma-test: building verbs-pingpong FAILED; last lines of $OUT/logs/cargo-build.log:" >&2
+    tail -n 40 "$OUT/logs/cargo-build.log" >&2
+    exit 1
+  fi
+  exe=$(grep '"reason":"compiler-artifact"' "$OUT/logs/example-verbs-pingpong.json" | grep '"kind":\["example"\]' \
+          | sed -n 's/.*"executable":"\([^"]*\)".*/\1/p' | tail -n 1)
+  [ -n "$exe" ] || { echo "rdma-test: no executable for verbs-pingpong" >&2; exit 1; }
+  cp "$exe" "$OUT/perf/verbs-pingpong"
 fi
 NTESTS=$(ls "$OUT/bin" | wc -l)
 NEX=$( (ls "$OUT/examples" 2>/dev/null || true) | wc -l)
@@ -248,6 +260,26 @@ if [ -x perf/rpc-perf ]; then
     # buffers the connection lends (rpc-perf's default; --heap copies each payload in), and a
     # window long enough for a dozen 16 MiB calls on rxe
     rpcperf "$d" "bandwidth" "" one --op put --sizes 1m,16m --concurrency 4 --threads 2 --duration 8 --warmup 2
+    # the floor under the small call: the connection layer alone (no rpc-core, no framing),
+    # SEND/RECV ping-pong with the same busy-poll, two processes, one runtime thread each
+    PERF_PORT=$((PERF_PORT+1))
+    vlog=logs/verbs-pingpong-$d.log
+    ./perf/verbs-pingpong --server --addr "${IP[$d]}:$PERF_PORT" --device "$d" --busy-poll-us 2000 \
+      > logs/verbs-pingpong-$d-server.log 2>&1 & vsrv=$!
+    for _ in $(seq 300); do
+      grep -q "serving on" logs/verbs-pingpong-$d-server.log 2>/dev/null && break
+      kill -0 "$vsrv" 2>/dev/null || break
+      sleep 0.1
+    done
+    timeout 120 ./perf/verbs-pingpong --client --addr "${IP[$d]}:$PERF_PORT" --device "$d" --busy-poll-us 2000 \
+      --rounds 20000 > "$vlog" 2>&1; rc=$?
+    kill "$vsrv" 2>/dev/null; wait "$vsrv" 2>/dev/null
+    vrow=$(grep -o 'p50 .*' "$vlog")
+    if [ $rc != 0 ] || [ -z "$vrow" ]; then
+      note "verbs-pingpong $d: FAILED (exit $rc; see logs/${vlog##*/})"; tail -n 5 "$vlog"; PROBLEMS=$((PROBLEMS+1))
+    else
+      note "verbs-pingpong $d busy-poll 32 B SEND/RECV round trip (connection layer alone): $vrow"
+    fi
   done
 fi
 

@@ -1,0 +1,174 @@
+//! SEND/RECV ping-pong on the transport's connection layer alone (no rpc-core, no framing, no
+//! rendezvous): the floor under rdma-rpc's own small-call round trip, measured the way
+//! `rpc-perf` measures that one (client and server in two processes, one runtime thread each),
+//! so the two figures and perftest's `ib_send_lat` can be set side by side.
+//!
+//! ```text
+//! verbs-pingpong --server --addr 10.99.0.1:19500 [--device rxe0] [--busy-poll-us 2000]
+//! verbs-pingpong --client --addr 10.99.0.1:19500 [--device rxe0] [--busy-poll-us 2000]
+//!                [--rounds 20000] [--size 32] [--event-interval 61]
+//! ```
+//!
+//! The client prints `p50 <us> p99 <us> mean <us>` of the round trips after a warm-up.
+
+use std::net::SocketAddr;
+use std::time::{Duration, Instant};
+
+use transport_rdma::{RdmaConnection, RdmaListener, RdmaOptions};
+
+struct Args {
+    server: bool,
+    addr: SocketAddr,
+    opts: RdmaOptions,
+    rounds: usize,
+    size: usize,
+    event_interval: Option<u32>,
+}
+
+fn parse() -> Result<Args, String> {
+    let mut server = None;
+    let mut addr = None;
+    let mut opts = RdmaOptions::default();
+    let mut rounds = 20_000;
+    let mut size = 32;
+    let mut event_interval = None;
+    let mut it = std::env::args().skip(1);
+    while let Some(a) = it.next() {
+        let mut value = |name: &str| it.next().ok_or(format!("{name} needs a value"));
+        match a.as_str() {
+            "--server" => server = Some(true),
+            "--client" => server = Some(false),
+            "--addr" => {
+                addr = Some(
+                    value("--addr")?
+                        .parse()
+                        .map_err(|e| format!("--addr: {e}"))?,
+                )
+            }
+            "--device" => opts.device = Some(value("--device")?),
+            "--busy-poll-us" => {
+                let us: u64 = value("--busy-poll-us")?
+                    .parse()
+                    .map_err(|e| format!("--busy-poll-us: {e}"))?;
+                opts.busy_poll = Duration::from_micros(us);
+                opts.busy_poll_max = Duration::from_micros(us);
+            }
+            "--rounds" => {
+                rounds = value("--rounds")?
+                    .parse()
+                    .map_err(|e| format!("--rounds: {e}"))?
+            }
+            "--size" => {
+                size = value("--size")?
+                    .parse()
+                    .map_err(|e| format!("--size: {e}"))?
+            }
+            "--event-interval" => {
+                event_interval = Some(
+                    value("--event-interval")?
+                        .parse()
+                        .map_err(|e| format!("--event-interval: {e}"))?,
+                )
+            }
+            other => return Err(format!("unknown argument {other:?}")),
+        }
+    }
+    Ok(Args {
+        server: server.ok_or("--server or --client")?,
+        addr: addr.ok_or("--addr")?,
+        opts,
+        rounds,
+        size,
+        event_interval,
+    })
+}
+
+async fn serve(args: Args) -> Result<(), String> {
+    let listener = RdmaListener::bind(args.addr, args.opts).map_err(|e| format!("bind: {e}"))?;
+    println!("serving on {}", listener.local_addr());
+    loop {
+        let conn = listener
+            .accept()
+            .await
+            .map_err(|e| format!("accept: {e}"))?;
+        while let Some(msg) = conn.recv_bytes().await.map_err(|e| format!("recv: {e}"))? {
+            conn.send(&msg).await.map_err(|e| format!("send: {e}"))?;
+        }
+    }
+}
+
+async fn client(args: Args) -> Result<(), String> {
+    let conn = RdmaConnection::connect(args.addr, args.opts)
+        .await
+        .map_err(|e| format!("connect: {e}"))?;
+    let msg = vec![0x5Au8; args.size];
+    let warmup = (args.rounds / 10).max(100);
+    let mut times = Vec::with_capacity(args.rounds);
+    for i in 0..warmup + args.rounds {
+        let t = Instant::now();
+        conn.send(&msg).await.map_err(|e| format!("send: {e}"))?;
+        let back = conn
+            .recv_bytes()
+            .await
+            .map_err(|e| format!("recv: {e}"))?
+            .ok_or("the server closed the connection")?;
+        if back.len() != msg.len() {
+            return Err(format!(
+                "echo of {} bytes came back as {}",
+                msg.len(),
+                back.len()
+            ));
+        }
+        if i >= warmup {
+            times.push(t.elapsed());
+        }
+    }
+    times.sort();
+    let at = |q: f64| times[((times.len() - 1) as f64 * q) as usize].as_secs_f64() * 1e6;
+    let mean = times.iter().sum::<Duration>().as_secs_f64() * 1e6 / times.len() as f64;
+    println!(
+        "{} x {} B SEND/RECV round trips on {}: p50 {:.1} us p99 {:.1} us mean {:.1} us",
+        times.len(),
+        args.size,
+        conn.device_name(),
+        at(0.5),
+        at(0.99),
+        mean
+    );
+    conn.close();
+    Ok(())
+}
+
+fn main() {
+    let args = match parse() {
+        Ok(a) => a,
+        Err(e) => {
+            eprintln!("verbs-pingpong: {e}");
+            std::process::exit(2);
+        }
+    };
+    // as rpc-perf runs: one worker thread, the work in a spawned task (a runtime's `block_on`
+    // future is polled only between batches of `event_interval` tasks while others are ready,
+    // as a spinning completion driver always is)
+    let mut rt = tokio::runtime::Builder::new_multi_thread();
+    rt.worker_threads(1);
+    if let Some(n) = args.event_interval {
+        rt.event_interval(n);
+    }
+    let rt = rt.enable_all().build().expect("runtime");
+    let res = rt.block_on(async move {
+        tokio::spawn(async move {
+            if args.server {
+                serve(args).await
+            } else {
+                client(args).await
+            }
+        })
+        .await
+        .unwrap_or_else(|e| Err(format!("task failed: {e}")))
+    });
+    if let Err(e) = res {
+        eprintln!("verbs-pingpong: {e}");
+        std::process::exit(1);
+    }
+}
