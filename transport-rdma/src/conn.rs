@@ -4,7 +4,7 @@
 use std::collections::HashMap;
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
 use tokio::io::unix::AsyncFd;
@@ -79,6 +79,10 @@ struct Shared {
     /// held while polling the CQ and dispatching, so completions are delivered in order
     poll_lock: Mutex<Vec<Wc>>,
     recv_tx: mpsc::UnboundedSender<RecvEvent>,
+    /// where received messages go once a receiver is installed (see
+    /// [`RdmaConnection::deliver_to`]): straight from the task that polled the CQ, instead of
+    /// through `recv_tx` to a task waiting in `recv_bytes`
+    receiver: OnceLock<Receiver>,
     /// how long to keep polling after the last completion before sleeping on the channel
     spin: SpinWindow,
     state: Mutex<State>,
@@ -464,6 +468,89 @@ impl Shared {
         }
     }
 
+    /// A receive completed: to the installed receiver, or to `recv_bytes`. Called under the
+    /// poll lock (see `RdmaConnection::deliver_to`).
+    fn received(&self, ev: RecvEvent) {
+        match self.receiver.get() {
+            Some(receiver) => receiver(self.take_received(Some(ev))),
+            None => {
+                let _ = self.recv_tx.send(ev);
+            }
+        }
+    }
+
+    fn check_open(&self) -> Result<(), RdmaError> {
+        match &lock(&self.state).closed {
+            Some(why) => Err(RdmaError::Closed(Some(why.clone()))),
+            None => Ok(()),
+        }
+    }
+
+    /// Turns a receive event into the message it carries: a view of the registered slot it
+    /// arrived in (no copy; the slot returns to the pool when the last view is dropped, and a
+    /// fresh one is posted in its place), or a copy if the slot pool has none free; `Ok(None)`
+    /// at the end of the stream (`None`: the event channel closed).
+    fn take_received(&self, ev: Option<RecvEvent>) -> Result<Option<bytes::Bytes>, RdmaError> {
+        let Some(ev) = ev else { return Ok(None) };
+        match ev {
+            RecvEvent::Copied(data) => Ok(Some(data)),
+            RecvEvent::Data(Mem::Pool(mut buf), len) => {
+                if len > buf.len().max(self.slot_size) {
+                    return Err(RdmaError::InvalidArgument(
+                        "completion longer than its slot".into(),
+                    ));
+                }
+                // a shared-queue slot was replaced when its completion was dispatched
+                if self.check_open().is_err() || self.srq_share.is_some() {
+                    buf.set_len(len);
+                    return Ok(Some(bytes::Bytes::from_owner(buf.freeze())));
+                }
+                // post a fresh slot in its place and hand this one out as it is; if none is
+                // free (handlers hold many), copy the message and give the slot back
+                let (data, repost) = match PoolRegion::lease(&self.slots, self.slot_size) {
+                    Some(fresh) => {
+                        buf.set_len(len);
+                        (bytes::Bytes::from_owner(buf.freeze()), fresh)
+                    }
+                    None => {
+                        buf.set_len(len);
+                        let data = bytes::Bytes::copy_from_slice(buf.bytes_mut());
+                        (data, buf)
+                    }
+                };
+                if let Err((e, _)) = self.qp.post_recv_pool(repost) {
+                    self.close(&format!("re-posting a receive failed: {e}"));
+                }
+                Ok(Some(data))
+            }
+            RecvEvent::Data(Mem::Region(mut region), len) => {
+                let data = Region::bytes(&mut region)
+                    .ok_or(RdmaError::BufferBusy)?
+                    .get(..len)
+                    .ok_or_else(|| {
+                        RdmaError::InvalidArgument("completion longer than its slot".into())
+                    })?
+                    .to_vec();
+                Ok(Some(data.into()))
+            }
+            RecvEvent::Data(Mem::View { .. }, _) => Err(RdmaError::InvalidArgument(
+                "a receive completed into a WRITE's source".into(),
+            )),
+            RecvEvent::Eof => Ok(None),
+            RecvEvent::Failed { err, flushed } => {
+                // A disconnect moves the QP to the error state, which flushes the posted
+                // receives (on iWARP even before the DISCONNECTED event arrives): that is the
+                // end of the stream, unless a real failure came first.
+                let st = lock(&self.state);
+                if (flushed || st.disconnected) && st.failed.is_none() {
+                    Ok(None)
+                } else {
+                    Err(err)
+                }
+            }
+        }
+    }
+
     fn close(&self, why: &str) {
         let mut st = lock(&self.state);
         if st.closed.is_none() {
@@ -484,6 +571,11 @@ enum RecvEvent {
     /// the connection was disconnected (by either side): end of stream
     Eof,
 }
+
+/// Where a connection's received messages go (see [`RdmaConnection::deliver_to`]): called with
+/// each message in order, then once with the end of the stream (`Ok(None)` or an error), from
+/// the task that polled the CQ; it must not block, and must not poll the CQ.
+pub(crate) type Receiver = Box<dyn Fn(Result<Option<bytes::Bytes>, RdmaError>) + Send + Sync>;
 
 /// RDMA READs/WRITEs in flight at once per connection (send-queue places beside the SENDs).
 const ONE_SIDED: usize = 8;
@@ -699,6 +791,7 @@ impl RdmaConnection {
             cq: Arc::clone(&cq),
             poll_lock: Mutex::new(Vec::with_capacity(64)),
             recv_tx,
+            receiver: OnceLock::new(),
             spin: SpinWindow::new(opts.busy_poll, opts.busy_poll_max),
             state: Mutex::new(State::default()),
             send_pool: Mutex::new(Vec::with_capacity(send_slots)),
@@ -780,10 +873,7 @@ impl RdmaConnection {
     }
 
     fn check_open(&self) -> Result<(), RdmaError> {
-        match &lock(&self.shared.state).closed {
-            Some(why) => Err(RdmaError::Closed(Some(why.clone()))),
-            None => Ok(()),
-        }
+        self.shared.check_open()
     }
 
     /// Posts a signaled work request (under the state lock, so its completion cannot be
@@ -985,64 +1075,49 @@ impl RdmaConnection {
             Some(ev) => ev,
             None => rx.recv().await,
         };
-        let Some(ev) = ev else { return Ok(None) };
-        match ev {
-            RecvEvent::Copied(data) => Ok(Some(data)),
-            RecvEvent::Data(Mem::Pool(mut buf), len) => {
-                if len > buf.len().max(self.shared.slot_size) {
-                    return Err(RdmaError::InvalidArgument(
-                        "completion longer than its slot".into(),
-                    ));
-                }
-                // a shared-queue slot was replaced when its completion was dispatched
-                if self.check_open().is_err() || self.shared.srq_share.is_some() {
-                    buf.set_len(len);
-                    return Ok(Some(bytes::Bytes::from_owner(buf.freeze())));
-                }
-                // post a fresh slot in its place and hand this one out as it is; if none is
-                // free (handlers hold many), copy the message and give the slot back
-                let (data, repost) =
-                    match PoolRegion::lease(&self.shared.slots, self.shared.slot_size) {
-                        Some(fresh) => {
-                            buf.set_len(len);
-                            (bytes::Bytes::from_owner(buf.freeze()), fresh)
-                        }
-                        None => {
-                            buf.set_len(len);
-                            let data = bytes::Bytes::copy_from_slice(buf.bytes_mut());
-                            (data, buf)
-                        }
-                    };
-                if let Err((e, _)) = self.shared.qp.post_recv_pool(repost) {
-                    self.shared
-                        .close(&format!("re-posting a receive failed: {e}"));
-                }
-                Ok(Some(data))
+        self.shared.take_received(ev)
+    }
+
+    /// Sends every message received from now on (and those received before, first) to
+    /// `receiver`, called by the task that polls the CQ as it finds them, instead of to
+    /// [`recv_bytes`](Self::recv_bytes): one task hand-off less per message. What ends the
+    /// stream (`Ok(None)` or an error) is not seen there; [`forward_end`](Self::forward_end)
+    /// passes it on.
+    pub(crate) fn deliver_to(&self, receiver: Receiver) {
+        // under the poll lock no completion is being dispatched: what came before is
+        // handed on first, in order
+        let _polling = lock(&self.shared.poll_lock);
+        let mut rx = self
+            .recv_rx
+            .try_lock()
+            .expect("deliver_to: nothing receives from this connection yet");
+        let mut ended = false;
+        while !ended {
+            let ev = match rx.try_recv() {
+                Ok(ev) => ev,
+                Err(_) => break,
+            };
+            let item = self.shared.take_received(Some(ev));
+            ended = !matches!(item, Ok(Some(_)));
+            receiver(item);
+        }
+        if self.shared.receiver.set(receiver).is_err() {
+            unreachable!("deliver_to: a receiver was installed twice");
+        }
+    }
+
+    /// After [`deliver_to`](Self::deliver_to): waits for the end of the stream (the peer
+    /// disconnected, the connection was closed or failed) and passes it to the receiver.
+    pub(crate) async fn forward_end(&self) {
+        let mut rx = self.recv_rx.lock().await;
+        loop {
+            let item = self.shared.take_received(rx.recv().await);
+            let end = !matches!(item, Ok(Some(_)));
+            if let Some(receiver) = self.shared.receiver.get() {
+                receiver(item);
             }
-            RecvEvent::Data(Mem::Region(mut region), len) => {
-                let data = Region::bytes(&mut region)
-                    .ok_or(RdmaError::BufferBusy)?
-                    .get(..len)
-                    .ok_or_else(|| {
-                        RdmaError::InvalidArgument("completion longer than its slot".into())
-                    })?
-                    .to_vec();
-                Ok(Some(data.into()))
-            }
-            RecvEvent::Data(Mem::View { .. }, _) => Err(RdmaError::InvalidArgument(
-                "a receive completed into a WRITE's source".into(),
-            )),
-            RecvEvent::Eof => Ok(None),
-            RecvEvent::Failed { err, flushed } => {
-                // A disconnect moves the QP to the error state, which flushes the posted
-                // receives (on iWARP even before the DISCONNECTED event arrives): that is the
-                // end of the stream, unless a real failure came first.
-                let st = lock(&self.shared.state);
-                if (flushed || st.disconnected) && st.failed.is_none() {
-                    Ok(None)
-                } else {
-                    Err(err)
-                }
+            if end {
+                return;
             }
         }
     }
@@ -1405,7 +1480,7 @@ fn dispatch(shared: &Shared, wcs: &[Wc]) {
         match wc.kind {
             WrKind::Recv if shared.srq_share.is_some() => {
                 let recv = &shared.srq_share.as_ref().expect("checked").recv;
-                let _ = shared.recv_tx.send(srq_received(recv, wc, mem, op));
+                shared.received(srq_received(recv, wc, mem, op));
             }
             WrKind::Recv => {
                 let ev = match (wc.ok(), mem) {
@@ -1425,7 +1500,7 @@ fn dispatch(shared: &Shared, wcs: &[Wc]) {
                         flushed: wc.is_flush(),
                     },
                 };
-                let _ = shared.recv_tx.send(ev);
+                shared.received(ev);
             }
             _ => {
                 // release a region before waking the waiter, which may touch it at once; a pool

@@ -41,7 +41,7 @@
 //!   [`PoolCounts::fallback_registrations`] counts those. The
 //!   ones registered for the peer's transfers into us (pull sinks, push grants, until the
 //!   payloads received in them are dropped) are bounded per connection by
-//!   [`RdmaOptions::max_fallback_bytes`]: a transfer beyond it waits, beside the receive loop,
+//!   [`RdmaOptions::max_fallback_bytes`]: a transfer beyond it waits, in a task of its own,
 //!   until earlier payloads are dropped, so no peer can make a connection register more
 //!   ([`PoolCounts::fallback_bytes`], `fallback_bytes_peak`).
 //!

@@ -326,9 +326,9 @@ impl rpc_core::Transport for RdmaTransport {
         });
         let (msg_tx, msg_rx) = fmpsc::channel(64);
         // Unbounded, yet at most `slots` messages: a delivered message holds its slot's credit
-        // until the reader takes it (see `receive_loop`).
+        // until the reader takes it (see `Inbound`).
         let (in_tx, in_rx) = mpsc::unbounded_channel();
-        tokio::spawn(receive_loop(Arc::clone(&engine), Deliver(in_tx)));
+        tokio::spawn(Inbound::start(&engine, Deliver(in_tx)));
         tokio::spawn(send_loop(Arc::clone(&engine), msg_rx, ctl_rx));
         // The connecting side grants the peer the rest of its window now, before any message
         // needs it; the accepting side's grant rides on its first packet, once it has heard
@@ -403,7 +403,7 @@ impl Stream for RdmaReader {
     }
 }
 
-/// What the receive loop hands the reader: a message (or why the connection ended), and
+/// What the receive side (`Inbound`) hands the reader: a message (or why the connection ended), and
 /// whether taking it frees its receive slot's credit (a batch's slot is free once its last
 /// message is taken).
 struct Delivery {
@@ -411,7 +411,7 @@ struct Delivery {
     credit: bool,
 }
 
-/// The receive loop's side of the reader's channel.
+/// The receive side's end of the reader's channel.
 #[derive(Clone)]
 struct Deliver(mpsc::UnboundedSender<Delivery>);
 
@@ -598,7 +598,7 @@ impl Engine {
         if let Some(share) = self.conn.srq_share() {
             // A shared receive queue: give the slot back to the other connections while the
             // budget is low (a window grows when the peer says it is starved, see
-            // `receive_loop`).
+            // `on_packet`).
             if share.budget_low() {
                 let k = p.credits.shrink(1);
                 share.give_back(k);
@@ -1056,206 +1056,248 @@ fn violation(v: rpc_core::rendezvous::ProtocolViolation) -> io::Error {
 
 /// Receives packets: credits, deliveries, rendezvous reads, transfer bookkeeping.
 ///
+/// Each packet is handled by the task that found its completion on the CQ (the completion
+/// driver, or a task busy-polling for its own completion), as part of that poll: no task
+/// hand-off between the CQ and the reader. Handling never blocks: transfers (READs, WRITEs,
+/// grants that may wait for budget) run in tasks of their own.
+///
 /// It never waits for the reader: the credits piggybacked on packets queued behind a message
 /// the reader has not taken yet may be exactly what our own send loop waits for, and the
 /// reader may be waiting for that send loop (a server answering calls). Instead, a delivered
 /// message keeps its slot's credit until the reader takes it ([`Engine::release`]), so the
 /// peer can never get more than a window of messages ahead of the reader.
-async fn receive_loop(engine: Arc<Engine>, deliver: Deliver) {
+struct Inbound {
+    /// weak: the connection (inside the engine) holds this receiver
+    engine: std::sync::Weak<Engine>,
+    /// until the stream ends; dropping it then ends the reader's stream
+    deliver: Option<Deliver>,
+}
+
+impl Inbound {
+    /// Installs the receive side on `engine`'s connection; returns the task that passes on
+    /// the end of the stream (it holds the engine until then, as the connection's reader).
+    fn start(engine: &Arc<Engine>, deliver: Deliver) -> impl std::future::Future<Output = ()> {
+        let inbound = Mutex::new(Inbound {
+            engine: Arc::downgrade(engine),
+            deliver: Some(deliver),
+        });
+        engine.conn.deliver_to(Box::new(move |item| {
+            lock_inbound(&inbound).on_receive(item)
+        }));
+        let engine = Arc::clone(engine);
+        async move { engine.conn.forward_end().await }
+    }
+
+    fn on_receive(&mut self, item: Result<Option<bytes::Bytes>, RdmaError>) {
+        let Some(deliver) = &self.deliver else {
+            // ended: a late end of stream, or data flushed after it
+            return;
+        };
+        let Some(engine) = self.engine.upgrade() else {
+            self.deliver = None;
+            return;
+        };
+        let end = match item {
+            Ok(Some(data)) => match on_packet(&engine, deliver, data) {
+                Ok(()) => return,
+                Err(e) => Some(e),
+            },
+            Ok(None) => None,
+            Err(e) => Some(to_io(e)),
+        };
+        let deliver = self.deliver.take().expect("checked above");
+        if let Some(e) = end {
+            tracing::debug!("transport-rdma: connection ends: {e}");
+            deliver.error(e);
+        }
+        engine.shutdown();
+        // the connection is closed (QP in the error state): the device no longer reads our
+        // exposed buffers, so they may go
+        drop(lock(&engine.proto).transfers.drain());
+    }
+}
+
+fn lock_inbound(m: &Mutex<Inbound>) -> std::sync::MutexGuard<'_, Inbound> {
+    m.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+}
+
+/// Handles one received packet; `Err` ends the connection.
+fn on_packet(engine: &Arc<Engine>, deliver: &Deliver, data: bytes::Bytes) -> Result<(), io::Error> {
     // a message for the reader, or (the reader is gone) the credit straight back
     let hand_on = |msg: Message| {
         if deliver.message(msg, true).is_err() {
             engine.release();
         }
     };
-    let end: Option<io::Error> = loop {
-        let data = match engine.conn.recv_bytes().await {
-            Ok(Some(d)) => d,
-            Ok(None) => break None,
-            Err(e) => break Some(to_io(e)),
-        };
-        let starved = Packet::is_starved(&data);
-        let (packet, credits) = match Packet::parse(data, &engine.limits) {
-            Ok(x) => x,
-            Err(v) => break Some(violation(v)),
-        };
-        {
-            let mut p = lock(&engine.proto);
-            if let Err(v) = p.credits.on_receive(credits) {
-                break Some(violation(v));
-            }
-            if !p.heard {
-                // the accepting side may send from now on
-                p.heard = true;
-                engine.credit_changed.notify_waiters();
-            }
-            // A peer starved of credits on a shared receive queue: widen its window by half
-            // again (at least 2, up to `recv_slots`) while the budget lends; granted with our
-            // next packet.
-            if let (true, Some(share)) = (starved, engine.conn.srq_share()) {
-                let w = p.credits.window();
-                if w < engine.max_window {
-                    let want = (w / 2).max(2).min(engine.max_window - w);
-                    let got = share.borrow(want);
-                    p.credits.grow(got);
-                    if got > 0 && p.credits.should_return() {
-                        let _ = engine.ctl_tx.send(Ctl::Credit);
-                    }
-                }
-            }
+    let starved = Packet::is_starved(&data);
+    let (packet, credits) = match Packet::parse(data, &engine.limits) {
+        Ok(x) => x,
+        Err(v) => return Err(violation(v)),
+    };
+    {
+        let mut p = lock(&engine.proto);
+        if let Err(v) = p.credits.on_receive(credits) {
+            return Err(violation(v));
         }
-        // RdmaConnection::recv_bytes reposted the slot already; a message's credit goes back
-        // when the reader takes it, a control packet's now
-        // (a push announcement holds its credit until the reader takes the message, which
-        // bounds the buffers granted to one peer by the window)
-        let message = matches!(
-            packet,
-            Packet::Eager(_)
-                | Packet::EagerBatch(_)
-                | Packet::PullRts { .. }
-                | Packet::PushRts { .. }
-        );
-        if !message {
-            engine.release();
-        } else {
+        if !p.heard {
+            // the accepting side may send from now on
+            p.heard = true;
             engine.credit_changed.notify_waiters();
         }
-        match packet {
-            Packet::Eager(msg) => hand_on(msg),
-            Packet::EagerBatch(msgs) => {
-                // the slot's credit rides on the batch's last message
-                let last = msgs.len() - 1;
-                for (i, msg) in msgs.into_iter().enumerate() {
-                    if deliver.message(msg, i == last).is_err() && i == last {
-                        engine.release();
-                    }
+        // A peer starved of credits on a shared receive queue: widen its window by half
+        // again (at least 2, up to `recv_slots`) while the budget lends; granted with our
+        // next packet.
+        if let (true, Some(share)) = (starved, engine.conn.srq_share()) {
+            let w = p.credits.window();
+            if w < engine.max_window {
+                let want = (w / 2).max(2).min(engine.max_window - w);
+                let got = share.borrow(want);
+                p.credits.grow(got);
+                if got > 0 && p.credits.should_return() {
+                    let _ = engine.ctl_tx.send(Ctl::Credit);
                 }
             }
-            Packet::PullRts { id, head, segments } => {
-                // the READs run beside this loop: a long transfer holds up no other packet
-                // (keep-alives, small calls, credits)
-                let op = Op::start(&engine);
-                let deliver = deliver.clone();
-                tokio::spawn(async move {
-                    match op.engine.pull(&segments).await {
-                        Ok(payloads) => {
-                            let _ = op.engine.ctl_tx.send(Ctl::Fin(id));
-                            if deliver.message(head.into_message(payloads), true).is_err() {
-                                op.engine.release();
-                            }
-                        }
-                        Err(e) => op.fail(&deliver, e),
-                    }
-                });
+        }
+    }
+    // RdmaConnection::recv_bytes reposted the slot already; a message's credit goes back
+    // when the reader takes it, a control packet's now
+    // (a push announcement holds its credit until the reader takes the message, which
+    // bounds the buffers granted to one peer by the window)
+    let message = matches!(
+        packet,
+        Packet::Eager(_) | Packet::EagerBatch(_) | Packet::PullRts { .. } | Packet::PushRts { .. }
+    );
+    if !message {
+        engine.release();
+    } else {
+        engine.credit_changed.notify_waiters();
+    }
+    match packet {
+        Packet::Eager(msg) => hand_on(msg),
+        Packet::EagerBatch(msgs) => {
+            // the slot's credit rides on the batch's last message
+            let last = msgs.len() - 1;
+            for (i, msg) in msgs.into_iter().enumerate() {
+                if deliver.message(msg, i == last).is_err() && i == last {
+                    engine.release();
+                }
             }
-            Packet::Fin { id } => match lock(&engine.proto).transfers.on_fin(id) {
-                // dropping the buffers revokes the peer's access and frees them
+        }
+        Packet::PullRts { id, head, segments } => {
+            // the READs run in a task of their own: a long transfer holds up no other packet
+            // (keep-alives, small calls, credits)
+            let op = Op::start(engine);
+            let deliver = deliver.clone();
+            tokio::spawn(async move {
+                match op.engine.pull(&segments).await {
+                    Ok(payloads) => {
+                        let _ = op.engine.ctl_tx.send(Ctl::Fin(id));
+                        if deliver.message(head.into_message(payloads), true).is_err() {
+                            op.engine.release();
+                        }
+                    }
+                    Err(e) => op.fail(&deliver, e),
+                }
+            });
+        }
+        Packet::Fin { id } => match lock(&engine.proto).transfers.on_fin(id) {
+            // dropping the buffers revokes the peer's access and frees them
+            Ok(bufs) => {
+                drop(bufs);
+                let _ = engine.ctl_tx.send(Ctl::Recheck);
+            }
+            Err(v) => return Err(violation(v)),
+        },
+        Packet::Refuse { id, reason } => {
+            let refused = {
+                let mut p = lock(&engine.proto);
+                p.push_lens.remove(&id);
+                p.transfers.on_refuse(id)
+            };
+            match refused {
                 Ok(bufs) => {
                     drop(bufs);
-                    let _ = engine.ctl_tx.send(Ctl::Recheck);
+                    tracing::warn!("transport-rdma: peer refused transfer {id} (reason {reason}); message dropped");
                 }
-                Err(v) => break Some(violation(v)),
-            },
-            Packet::Refuse { id, reason } => {
-                let refused = {
-                    let mut p = lock(&engine.proto);
-                    p.push_lens.remove(&id);
-                    p.transfers.on_refuse(id)
-                };
-                match refused {
-                    Ok(bufs) => {
-                        drop(bufs);
-                        tracing::warn!("transport-rdma: peer refused transfer {id} (reason {reason}); message dropped");
-                    }
-                    Err(v) => break Some(violation(v)),
-                }
+                Err(v) => return Err(violation(v)),
             }
-            Packet::PushRts { id, head } => {
-                // granting may wait for the fallback budget: beside this loop, like transfers
-                let op = Op::start(&engine);
-                let deliver = deliver.clone();
-                tokio::spawn(async move {
-                    let engine = &op.engine;
-                    match engine.grant(&head.lens).await {
-                        Ok((bufs, segments)) => {
-                            let begun = lock(&engine.proto)
-                                .transfers
-                                .begin_incoming(id, Incoming::Granted { head, bufs });
-                            match begun {
-                                Ok(()) => {
-                                    let _ = engine.ctl_tx.send(Ctl::Cts(id, segments));
-                                }
-                                Err(v) => {
-                                    deliver.error(violation(v));
-                                    engine.shutdown();
-                                }
-                            }
-                        }
-                        Err(e) => {
-                            tracing::warn!(
-                                "transport-rdma: no buffers for the peer's push {id}: {e}"
-                            );
-                            engine.release();
-                            let _ = engine.ctl_tx.send(Ctl::Refuse(id, refuse::NO_BUFFERS));
-                        }
-                    }
-                });
-            }
-            Packet::Cts { id, segments } => {
-                let sources = {
-                    let mut p = lock(&engine.proto);
-                    let lens = p.push_lens.get(&id).cloned().unwrap_or_default();
-                    let r = p.transfers.on_cts(id, &segments, lens.into_iter());
-                    if r.is_ok() {
-                        p.push_lens.remove(&id);
-                    }
-                    r
-                };
-                match sources {
-                    Ok(sources) => {
-                        // the WRITEs run beside this loop, as pulls do
-                        let op = Op::start(&engine);
-                        let deliver = deliver.clone();
-                        tokio::spawn(async move {
-                            match op.engine.push(sources, &segments).await {
-                                Ok(()) => {
-                                    let _ = op.engine.ctl_tx.send(Ctl::PushDone(id));
-                                }
-                                Err(e) => op.fail(&deliver, e),
-                            }
-                        });
-                    }
-                    Err(v) => break Some(violation(v)),
-                }
-            }
-            Packet::PushDone { id } => {
-                let done = lock(&engine.proto).transfers.on_push_done(id);
-                match done {
-                    Ok((head, bufs)) => {
-                        let payloads: Result<Vec<Payload>, RdmaError> =
-                            bufs.into_iter().map(Held::into_payload).collect();
-                        match payloads {
-                            Ok(p) => hand_on(head.into_message(p)),
-                            Err(e) => break Some(to_io(e)),
-                        }
-                    }
-                    Err(v) => break Some(violation(v)),
-                }
-            }
-            Packet::Credit => {}
         }
-    };
-    if let Some(e) = end {
-        tracing::debug!("transport-rdma: connection ends: {e}");
-        deliver.error(e);
+        Packet::PushRts { id, head } => {
+            // granting may wait for the fallback budget: in a task of its own, like transfers
+            let op = Op::start(engine);
+            let deliver = deliver.clone();
+            tokio::spawn(async move {
+                let engine = &op.engine;
+                match engine.grant(&head.lens).await {
+                    Ok((bufs, segments)) => {
+                        let begun = lock(&engine.proto)
+                            .transfers
+                            .begin_incoming(id, Incoming::Granted { head, bufs });
+                        match begun {
+                            Ok(()) => {
+                                let _ = engine.ctl_tx.send(Ctl::Cts(id, segments));
+                            }
+                            Err(v) => {
+                                deliver.error(violation(v));
+                                engine.shutdown();
+                            }
+                        }
+                    }
+                    Err(e) => {
+                        tracing::warn!("transport-rdma: no buffers for the peer's push {id}: {e}");
+                        engine.release();
+                        let _ = engine.ctl_tx.send(Ctl::Refuse(id, refuse::NO_BUFFERS));
+                    }
+                }
+            });
+        }
+        Packet::Cts { id, segments } => {
+            let sources = {
+                let mut p = lock(&engine.proto);
+                let lens = p.push_lens.get(&id).cloned().unwrap_or_default();
+                let r = p.transfers.on_cts(id, &segments, lens.into_iter());
+                if r.is_ok() {
+                    p.push_lens.remove(&id);
+                }
+                r
+            };
+            match sources {
+                Ok(sources) => {
+                    // the WRITEs run in a task of their own, as pulls do
+                    let op = Op::start(engine);
+                    let deliver = deliver.clone();
+                    tokio::spawn(async move {
+                        match op.engine.push(sources, &segments).await {
+                            Ok(()) => {
+                                let _ = op.engine.ctl_tx.send(Ctl::PushDone(id));
+                            }
+                            Err(e) => op.fail(&deliver, e),
+                        }
+                    });
+                }
+                Err(v) => return Err(violation(v)),
+            }
+        }
+        Packet::PushDone { id } => {
+            let done = lock(&engine.proto).transfers.on_push_done(id);
+            match done {
+                Ok((head, bufs)) => {
+                    let payloads: Result<Vec<Payload>, RdmaError> =
+                        bufs.into_iter().map(Held::into_payload).collect();
+                    match payloads {
+                        Ok(p) => hand_on(head.into_message(p)),
+                        Err(e) => return Err(to_io(e)),
+                    }
+                }
+                Err(v) => return Err(violation(v)),
+            }
+        }
+        Packet::Credit => {}
     }
-    engine.shutdown();
-    // the connection is closed (QP in the error state): the device no longer reads our
-    // exposed buffers, so they may go
-    drop(lock(&engine.proto).transfers.drain());
+    Ok(())
 }
 
-/// Sends messages from the writer and control packets from the receive loop. After a drain
+/// Sends messages from the writer and control packets from the receive side (`Inbound`). After a drain
 /// request it closes the connection once the writer's messages are sent and the peer has read
 /// every exposed buffer (or after `DRAIN_LIMIT`).
 async fn send_loop(
