@@ -1270,6 +1270,26 @@ impl SendCompletion {
         }
         res
     }
+
+    /// Like [`wait`](Self::wait), without busy-polling for the completion: for a sender that
+    /// only needs the slot back (the completion driver polls the CQ anyway), so that it takes
+    /// no turns from the tasks that wait for replies.
+    pub(crate) async fn settled(self) -> Result<(), RdmaError> {
+        let SendCompletion {
+            rx,
+            slot,
+            shared,
+            _permit,
+        } = self;
+        let res = match rx.await {
+            Ok(done) => done.res,
+            Err(_) => Err(RdmaError::Closed(Some("completion driver stopped".into()))),
+        };
+        if res.is_ok() {
+            lock(&shared.send_pool).push(slot);
+        }
+        res
+    }
 }
 
 /// How long a connection keeps polling its CQ after the last completion before it arms the CQ

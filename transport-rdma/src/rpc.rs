@@ -1445,7 +1445,7 @@ async fn send_loop(
             Item::Msg(m) => engine.send_message(m).await,
         };
         match res {
-            Ok(done) => pending.push(done.wait()),
+            Ok(done) => pending.push(done.settled()),
             Err(e) => {
                 tracing::debug!("transport-rdma: send failed, closing the connection: {e}");
                 engine.shutdown();
