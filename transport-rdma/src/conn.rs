@@ -286,6 +286,9 @@ pub(crate) enum PoolUse {
 #[derive(Default)]
 struct State {
     waiters: HashMap<u64, oneshot::Sender<Done>>,
+    /// SENDs posted with no task waiting (see `RdmaConnection::post_send_now`): their slots go
+    /// back to the pool, and their permits are released, when they complete
+    unattended: HashMap<u64, (Arc<Region>, tokio::sync::OwnedSemaphorePermit)>,
     /// set once the connection is unusable: why
     closed: Option<String>,
     /// set by the first real failure (an error completion other than a flush, a driver error):
@@ -1044,6 +1047,56 @@ impl RdmaConnection {
         })
     }
 
+    /// A SEND slot, if one is free now, for [`post_send_now`](Self::post_send_now).
+    pub(crate) fn try_send_slot(&self) -> Option<tokio::sync::OwnedSemaphorePermit> {
+        Arc::clone(&self.shared.send_permits)
+            .try_acquire_owned()
+            .ok()
+    }
+
+    /// Posts `msg` as a SEND now, in the slot `permit` stands for, with no task waiting for it:
+    /// the completion driver puts the slot back in the pool (and releases the permit) when the
+    /// SEND completes.
+    pub(crate) fn post_send_now(
+        &self,
+        msg: &[u8],
+        permit: tokio::sync::OwnedSemaphorePermit,
+    ) -> Result<(), RdmaError> {
+        if msg.len() > self.shared.slot_size {
+            return Err(RdmaError::InvalidArgument(format!(
+                "message of {} bytes exceeds the {}-byte slot",
+                msg.len(),
+                self.shared.slot_size
+            )));
+        }
+        let pooled = lock(&self.shared.send_pool).pop();
+        let mut slot = match pooled {
+            Some(s) => s,
+            None => Region::new(self.shared.qp.device(), self.shared.slot_size)?,
+        };
+        let bytes = Region::bytes_mut(&mut slot).ok_or(RdmaError::BufferBusy)?;
+        bytes[..msg.len()].copy_from_slice(msg);
+        // under the state lock, so that the completion cannot be dispatched before it is known
+        let mut st = lock(&self.shared.state);
+        if let Some(why) = &st.closed {
+            return Err(RdmaError::Closed(Some(why.clone())));
+        }
+        let wr_id = self.shared.qp.post_send(&slot, 0, msg.len())?;
+        st.unattended.insert(wr_id, (slot, permit));
+        Ok(())
+    }
+
+    /// Whether no SEND is in flight (every send slot is free).
+    pub(crate) fn sends_idle(&self) -> bool {
+        self.shared.send_permits.available_permits() >= self.send_slots
+    }
+
+    /// Waits until no SEND is in flight (every slot is back), e.g. before closing.
+    pub(crate) async fn sends_done(&self) {
+        let n = u32::try_from(self.send_slots).unwrap_or(u32::MAX);
+        let _all = self.shared.send_permits.acquire_many(n).await;
+    }
+
     /// Receives the next message (a copy); `Ok(None)` once the peer disconnected.
     pub async fn recv(&self) -> Result<Option<Vec<u8>>, RdmaError> {
         Ok(self.recv_bytes().await?.map(|b| b.to_vec()))
@@ -1532,7 +1585,16 @@ fn dispatch(shared: &Shared, wcs: &[Wc]) {
                         None
                     }
                 };
-                let waiter = lock(&shared.state).waiters.remove(&wc.wr_id);
+                let (waiter, unattended) = {
+                    let mut st = lock(&shared.state);
+                    match st.waiters.remove(&wc.wr_id) {
+                        Some(w) => (Some(w), None),
+                        None => (None, st.unattended.remove(&wc.wr_id)),
+                    }
+                };
+                if let (true, Some((slot, _permit))) = (wc.ok(), unattended) {
+                    lock(&shared.send_pool).push(slot);
+                }
                 if let Some(w) = waiter {
                     let res = if wc.ok() {
                         Ok(())
@@ -1608,11 +1670,15 @@ fn fail_all(shared: &Shared, why: &str) {
 /// Fails every task waiting for a completion. The buffers of those requests stay with the QP
 /// until a completion retires them (then back to the pool) or the QP is destroyed.
 fn fail_waiters(shared: &Shared, why: &str) {
-    let waiters: Vec<_> = lock(&shared.state)
-        .waiters
-        .drain()
-        .map(|(_, w)| w)
-        .collect();
+    let (waiters, unattended): (Vec<_>, Vec<_>) = {
+        let mut st = lock(&shared.state);
+        (
+            st.waiters.drain().map(|(_, w)| w).collect(),
+            st.unattended.drain().collect(),
+        )
+    };
+    // their slots are not reused: they go when the QP lets go of them
+    drop(unattended);
     for w in waiters {
         let _ = w.send(Done {
             res: Err(RdmaError::Closed(Some(why.to_string()))),
