@@ -104,50 +104,34 @@ grep '"reason":"compiler-artifact"' "$OUT/logs/cargo-test.json" | grep '"kind":\
 while IFS=$'\t' read -r name exe; do
   cp "$exe" "$OUT/bin/$name"
 done < "$OUT/logs/tests.tsv"
-for ex in "${EXAMPLES[@]}"; do
+# build_example NAME DEST-DIR CARGO-ARGS...: builds example NAME and copies it to DEST-DIR
+build_example() {
+  local ex=$1 dest=$2 exe; shift 2
+  local build_log="$OUT/logs/cargo-build.log"
   say "building example $ex"
-  BUILD_LOG="$OUT/logs/cargo-build.log"
-  if ! cargo build --manifest-path "$MANIFEST" --profile "$PROFILE" --example "$ex" ${FEATURES:+--features "$FEATURES"} \
-         --message-format=json-render-diagnostics >"$OUT/logs/example-$ex.json" 2>>"$BUILD_LOG"; then
-    echo "rdma-test: building example $ex FAILED; last lines of $BUILD_LOG:" >&2
-    tail -n 40 "$BUILD_LOG" >&2
+  if ! cargo build --manifest-path "$MANIFEST" --profile "$PROFILE" --example "$ex" "$@" \
+         --message-format=json-render-diagnostics >"$OUT/logs/example-$ex.json" 2>>"$build_log"; then
+    echo "rdma-test: building example $ex FAILED; last lines of $build_log:" >&2
+    tail -n 40 "$build_log" >&2
     exit 1
   fi
-  mkdir -p "$OUT/examples"
   exe=$(grep '"reason":"compiler-artifact"' "$OUT/logs/example-$ex.json" | grep '"kind":\["example"\]' \
           | sed -n 's/.*"executable":"\([^"]*\)".*/\1/p' | tail -n 1)
   [ -n "$exe" ] || { echo "rdma-test: no executable for example $ex" >&2; exit 1; }
-  cp "$exe" "$OUT/examples/$ex"
+  mkdir -p "$dest"
+  cp "$exe" "$dest/$ex"
+}
+for ex in "${EXAMPLES[@]}"; do
+  build_example "$ex" "$OUT/examples" ${FEATURES:+--features "$FEATURES"}
 done
 # the transport's own figures (rpc-perf), beside perftest's, and a short soak with servers
 # killed at random: RDMA_TEST_RPCPERF=0 skips them
 if [ "${RDMA_TEST_RPCPERF:-1}" = 1 ]; then
-  mkdir -p "$OUT/perf"
   for tool in rpc-perf soak overload; do
-    say "building $tool"
-    if ! cargo build --manifest-path "$MANIFEST" --profile "$PROFILE" --example "$tool" --features rdma-rpc/rdma \
-           --message-format=json-render-diagnostics >"$OUT/logs/example-$tool.json" 2>>"$OUT/logs/cargo-build.log"; then
-      echo "rdma-test: building $tool FAILED; last lines of $OUT/logs/cargo-build.log:" >&2
-      tail -n 40 "$OUT/logs/cargo-build.log" >&2
-      exit 1
-    fi
-    exe=$(grep '"reason":"compiler-artifact"' "$OUT/logs/example-$tool.json" | grep '"kind":\["example"\]' \
-            | sed -n 's/.*"executable":"\([^"]*\)".*/\1/p' | tail -n 1)
-    [ -n "$exe" ] || { echo "rdma-test: no executable for $tool" >&2; exit 1; }
-    cp "$exe" "$OUT/perf/$tool"
+    build_example "$tool" "$OUT/perf" --features rdma-rpc/rdma
   done
   # the connection layer's own SEND/RECV ping-pong: the floor under rpc-perf's small call
-  say "building verbs-pingpong"
-  if ! cargo build --manifest-path "$MANIFEST" --profile "$PROFILE" -p transport-rdma --example verbs-pingpong \
-         --message-format=json-render-diagnostics >"$OUT/logs/example-verbs-pingpong.json" 2>>"$OUT/logs/cargo-build.log"; then
-    echo "rdma-test: building verbs-pingpong FAILED; last lines of $OUT/logs/cargo-build.log:" >&2
-    tail -n 40 "$OUT/logs/cargo-build.log" >&2
-    exit 1
-  fi
-  exe=$(grep '"reason":"compiler-artifact"' "$OUT/logs/example-verbs-pingpong.json" | grep '"kind":\["example"\]' \
-          | sed -n 's/.*"executable":"\([^"]*\)".*/\1/p' | tail -n 1)
-  [ -n "$exe" ] || { echo "rdma-test: no executable for verbs-pingpong" >&2; exit 1; }
-  cp "$exe" "$OUT/perf/verbs-pingpong"
+  build_example verbs-pingpong "$OUT/perf" -p transport-rdma
 fi
 NTESTS=$(ls "$OUT/bin" | wc -l)
 NEX=$( (ls "$OUT/examples" 2>/dev/null || true) | wc -l)

@@ -1019,25 +1019,12 @@ impl RdmaConnection {
     /// [`SendCompletion::wait`] for its completion. SENDs posted one after another arrive in
     /// that order, so several can be in flight.
     pub async fn start_send(&self, msg: &[u8]) -> Result<SendCompletion, RdmaError> {
-        if msg.len() > self.shared.slot_size {
-            return Err(RdmaError::InvalidArgument(format!(
-                "message of {} bytes exceeds the {}-byte slot",
-                msg.len(),
-                self.shared.slot_size
-            )));
-        }
         self.check_open()?;
         let permit = Arc::clone(&self.shared.send_permits)
             .acquire_owned()
             .await
             .map_err(|_| RdmaError::Closed(None))?;
-        let pooled = lock(&self.shared.send_pool).pop();
-        let mut slot = match pooled {
-            Some(s) => s,
-            None => Region::new(self.shared.qp.device(), self.shared.slot_size)?,
-        };
-        let bytes = Region::bytes_mut(&mut slot).ok_or(RdmaError::BufferBusy)?;
-        bytes[..msg.len()].copy_from_slice(msg);
+        let slot = self.filled_send_slot(msg)?;
         let rx = post(&self.shared, |qp| qp.post_send(&slot, 0, msg.len()))?;
         Ok(SendCompletion {
             rx,
@@ -1045,6 +1032,26 @@ impl RdmaConnection {
             shared: Arc::clone(&self.shared),
             _permit: permit,
         })
+    }
+
+    /// A send slot from the pool (a new one if the pool is empty) with `msg` copied in; an
+    /// error if `msg` does not fit a slot.
+    fn filled_send_slot(&self, msg: &[u8]) -> Result<Arc<Region>, RdmaError> {
+        if msg.len() > self.shared.slot_size {
+            return Err(RdmaError::InvalidArgument(format!(
+                "message of {} bytes exceeds the {}-byte slot",
+                msg.len(),
+                self.shared.slot_size
+            )));
+        }
+        let pooled = lock(&self.shared.send_pool).pop();
+        let mut slot = match pooled {
+            Some(s) => s,
+            None => Region::new(self.shared.qp.device(), self.shared.slot_size)?,
+        };
+        let bytes = Region::bytes_mut(&mut slot).ok_or(RdmaError::BufferBusy)?;
+        bytes[..msg.len()].copy_from_slice(msg);
+        Ok(slot)
     }
 
     /// A SEND slot, if one is free now, for [`post_send_now`](Self::post_send_now).
@@ -1062,20 +1069,7 @@ impl RdmaConnection {
         msg: &[u8],
         permit: tokio::sync::OwnedSemaphorePermit,
     ) -> Result<(), RdmaError> {
-        if msg.len() > self.shared.slot_size {
-            return Err(RdmaError::InvalidArgument(format!(
-                "message of {} bytes exceeds the {}-byte slot",
-                msg.len(),
-                self.shared.slot_size
-            )));
-        }
-        let pooled = lock(&self.shared.send_pool).pop();
-        let mut slot = match pooled {
-            Some(s) => s,
-            None => Region::new(self.shared.qp.device(), self.shared.slot_size)?,
-        };
-        let bytes = Region::bytes_mut(&mut slot).ok_or(RdmaError::BufferBusy)?;
-        bytes[..msg.len()].copy_from_slice(msg);
+        let slot = self.filled_send_slot(msg)?;
         // under the state lock, so that the completion cannot be dispatched before it is known
         let mut st = lock(&self.shared.state);
         if let Some(why) = &st.closed {
@@ -1311,32 +1305,32 @@ impl std::fmt::Debug for SendCompletion {
 impl SendCompletion {
     /// Waits until the SEND completed locally (on a reliable connection: the peer has it).
     pub async fn wait(self) -> Result<(), RdmaError> {
-        let SendCompletion {
-            rx,
-            slot,
-            shared,
-            _permit,
-        } = self;
-        let res = wait_completion(&shared, rx).await.res;
-        if res.is_ok() {
-            lock(&shared.send_pool).push(slot);
-        }
-        res
+        self.finish(true).await
     }
 
     /// Like [`wait`](Self::wait), without busy-polling for the completion: for a sender that
     /// only needs the slot back (the completion driver polls the CQ anyway), so that it takes
     /// no turns from the tasks that wait for replies.
     pub(crate) async fn settled(self) -> Result<(), RdmaError> {
+        self.finish(false).await
+    }
+
+    /// Waits for the completion (busy-polling first if `spin`); the slot goes back to the pool
+    /// if the SEND succeeded.
+    async fn finish(self, spin: bool) -> Result<(), RdmaError> {
         let SendCompletion {
             rx,
             slot,
             shared,
             _permit,
         } = self;
-        let res = match rx.await {
-            Ok(done) => done.res,
-            Err(_) => Err(RdmaError::Closed(Some("completion driver stopped".into()))),
+        let res = if spin {
+            wait_completion(&shared, rx).await.res
+        } else {
+            match rx.await {
+                Ok(done) => done.res,
+                Err(_) => Err(RdmaError::Closed(Some("completion driver stopped".into()))),
+            }
         };
         if res.is_ok() {
             lock(&shared.send_pool).push(slot);
