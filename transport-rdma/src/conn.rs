@@ -576,8 +576,9 @@ enum RecvEvent {
 }
 
 /// Where a connection's received messages go (see [`RdmaConnection::deliver_to`]): called with
-/// each message in order, then once with the end of the stream (`Ok(None)` or an error), from
-/// the task that polled the CQ; it must not block, and must not poll the CQ.
+/// each message in order, then with the end of the stream (`Ok(None)` or an error; late events
+/// may follow, to be ignored): messages from the task that polled the CQ, under the poll lock,
+/// so it must not block and must not poll the CQ; the end, mostly, from `forward_end`'s task.
 pub(crate) type Receiver = Box<dyn Fn(Result<Option<bytes::Bytes>, RdmaError>) + Send + Sync>;
 
 /// RDMA READs/WRITEs in flight at once per connection (send-queue places beside the SENDs).
