@@ -6,8 +6,8 @@ use std::fmt;
 use std::future::{poll_fn, Future};
 use std::io;
 use std::pin::Pin;
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard, Weak};
 use std::task::{Context, Poll, Waker};
 use std::time::Duration;
 
@@ -23,7 +23,7 @@ use tracing::Instrument;
 use crate::codec::Codec;
 use crate::conn::{encode_body, KeepAlive, Tick};
 use crate::payload::{with_attachments, PayloadMemory, PayloadMut};
-use crate::transport::Transport;
+use crate::transport::{ResponseShortcut, Transport};
 use crate::wire::{Header, Kind, Message};
 use crate::{Config, RpcError, ServerError, ServerErrorKind};
 
@@ -33,7 +33,10 @@ use crate::{Config, RpcError, ServerError, ServerErrorKind};
 /// its waker and queue its frame) and once to collect the answer; the reader takes it once per
 /// turn for every answer it read in that turn.
 struct State {
-    table: Mutex<Table>,
+    /// Shared (weakly) with the transport's [`ResponseShortcut`], if it has one.
+    table: Arc<Mutex<Table>>,
+    /// Responses taken through the shortcut: traffic, for the keep-alive.
+    shortcut_answers: Arc<AtomicU64>,
     credits: Semaphore,
     /// Cancelled when the connection is gone (for [`Client::closed`]).
     closed: CancellationToken,
@@ -279,8 +282,9 @@ impl Client {
         let peer = transport.peer();
         let coalesce = transport.coalesce_writes();
         let memory = transport.payload_memory();
+        let shortcut = transport.response_shortcut();
         let (reader, writer) = transport.split();
-        Client::start(reader, writer, peer, config, coalesce, memory)
+        Client::start(reader, writer, peer, config, coalesce, memory, shortcut)
     }
 
     /// Greets the server (presenting [`Config::auth_token`] if set), waits for its answer
@@ -292,6 +296,7 @@ impl Client {
         let peer = transport.peer();
         let coalesce = transport.coalesce_writes();
         let memory = transport.payload_memory();
+        let shortcut = transport.response_shortcut();
         let (mut reader, mut writer) = transport.split();
         let token = config
             .auth_token
@@ -331,7 +336,7 @@ impl Client {
             })??;
         match answer {
             Some(m) if m.header.kind == Kind::Hello => Ok(Client::start(
-                reader, writer, peer, config, coalesce, memory,
+                reader, writer, peer, config, coalesce, memory, shortcut,
             )),
             Some(m) if m.header.kind == Kind::Response && m.header.aux != 0 => {
                 Err(RpcError::Server(ServerError::new(
@@ -354,6 +359,7 @@ impl Client {
         config: Config,
         coalesce: bool,
         memory: Option<Arc<dyn PayloadMemory>>,
+        shortcut: Option<ResponseShortcut>,
     ) -> Client
     where
         R: Stream<Item = io::Result<Message>> + Send + Unpin + 'static,
@@ -362,13 +368,24 @@ impl Client {
         let window = config.max_in_flight.min(Semaphore::MAX_PERMITS);
         let state = Arc::new(State {
             sink: Box::new(Mutex::new(Some(writer))),
-            table: Mutex::new(Table::new()),
+            table: Arc::new(Mutex::new(Table::new())),
+            shortcut_answers: Arc::new(AtomicU64::new(0)),
             credits: Semaphore::new(window),
             closed: CancellationToken::new(),
             shut: AtomicBool::new(false),
             going_away: AtomicBool::new(false),
             reader: AtomicWaker::new(),
         });
+        if let Some(shortcut) = shortcut {
+            let installed = shortcut.install(Box::new(take_response(
+                Arc::downgrade(&state.table),
+                Arc::clone(&state.shortcut_answers),
+            )));
+            debug_assert!(
+                installed,
+                "a transport's response shortcut serves one client"
+            );
+        }
         let span = tracing::info_span!("rpc_client", peer = %peer);
         tokio::spawn(write_loop(state.clone(), coalesce, window).instrument(span.clone()));
         tokio::spawn(read_loop(reader, state.clone(), config.clone()).instrument(span));
@@ -894,6 +911,7 @@ where
     R: Stream<Item = io::Result<Message>> + Unpin,
 {
     let mut keepalive = KeepAlive::new(config.keepalive_interval, config.keepalive_timeout);
+    let mut shortcut_answers = 0;
     // Callers whose answers came in this turn, woken once the table is unlocked. Answers read
     // in one turn (one read of the socket, one batch of packets) are recorded under one lock.
     let mut answered: Vec<Waker> = Vec::new();
@@ -931,6 +949,11 @@ where
                     if state.is_shut() {
                         break Poll::Ready(());
                     }
+                    let n = state.shortcut_answers.load(Ordering::Relaxed);
+                    if n != shortcut_answers {
+                        shortcut_answers = n;
+                        keepalive.saw_frame();
+                    }
                     while let Poll::Ready(tick) = keepalive.poll_tick(cx) {
                         match tick {
                             Tick::Alive => {}
@@ -954,6 +977,34 @@ where
     })
     .await;
     state.close();
+}
+
+/// The client's taker for a transport's [`ResponseShortcut`]: completes the call a response
+/// answers and wakes its caller, from the transport's receiving task. It holds the table
+/// weakly (the transport must not keep the client alive), so no client state is dropped in
+/// the transport's receive path except, at worst, a table whose connection is gone.
+fn take_response(
+    table: Weak<Mutex<Table>>,
+    answers: Arc<AtomicU64>,
+) -> impl Fn(Message) -> Option<Message> + Send + Sync + 'static {
+    move |msg: Message| {
+        if msg.header.kind != Kind::Response {
+            return Some(msg);
+        }
+        let Some(table) = table.upgrade() else {
+            return Some(msg);
+        };
+        answers.fetch_add(1, Ordering::Relaxed);
+        // None: the call was cancelled or timed out meanwhile, or the connection is closed.
+        let caller = table
+            .lock()
+            .expect("calls lock")
+            .complete(msg.header.id, Ok(msg));
+        if let Some(w) = caller {
+            w.wake();
+        }
+        None
+    }
 }
 
 /// Handles one frame from the server; false if the connection must close.

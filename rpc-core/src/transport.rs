@@ -17,9 +17,10 @@
 //! - Both halves end with an error or `None` when the connection is gone; the protocol then
 //!   fails the calls in flight with `ConnectionClosed`.
 
+use std::fmt;
 use std::future::Future;
 use std::io;
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 
 use futures::{Sink, Stream};
 
@@ -53,6 +54,13 @@ pub trait Transport: Send + 'static {
         None
     }
 
+    /// A way to hand received responses to the client from wherever the transport receives
+    /// them, if it offers one (see [`ResponseShortcut`]). Taken before [`Transport::split`].
+    /// The default has none: every message goes through the reader.
+    fn response_shortcut(&self) -> Option<ResponseShortcut> {
+        None
+    }
+
     /// Completes the server side of an accepted connection (a TLS handshake, say). Servers
     /// call it in the connection's own task, bounded by `connect_timeout`, so a slow peer
     /// cannot hold up accepting others. The default does nothing.
@@ -61,6 +69,53 @@ pub trait Transport: Send + 'static {
         Self: Sized,
     {
         std::future::ready(Ok(self))
+    }
+}
+
+type Taker = Box<dyn Fn(Message) -> Option<Message> + Send + Sync>;
+
+/// A path by which a transport hands received responses to the client from where it receives
+/// them (the task that polled a completion queue, say) instead of through
+/// [`Transport::Reader`]: the caller is woken by that task, with no hand-off to the client's
+/// reader task in between.
+///
+/// The transport creates one per connection, returns it from
+/// [`Transport::response_shortcut`] and [`offer`](Self::offer)s every message it receives,
+/// in order, before queueing it for the reader; a message given back goes to the reader as
+/// usual, one taken counts as read (its receive credit, if any, may go back at once). Until
+/// the client installs its taker (once its greeting is done), and on a server, every message
+/// is given back. The taker takes only responses and never blocks, so it may be called from
+/// any thread, and a response may overtake frames still queued for the reader, which the
+/// client handles independently of it.
+#[derive(Clone, Default)]
+pub struct ResponseShortcut(Arc<OnceLock<Taker>>);
+
+impl ResponseShortcut {
+    /// A shortcut with no taker yet.
+    pub fn new() -> ResponseShortcut {
+        ResponseShortcut::default()
+    }
+
+    /// Offers a received message to the client; gives it back unless the client took it.
+    #[inline]
+    pub fn offer(&self, msg: Message) -> Option<Message> {
+        match self.0.get() {
+            Some(take) => take(msg),
+            None => Some(msg),
+        }
+    }
+
+    /// Installs the client's taker; false if one was installed already.
+    pub(crate) fn install(&self, take: Taker) -> bool {
+        self.0.set(take).is_ok()
+    }
+}
+
+impl fmt::Debug for ResponseShortcut {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("ResponseShortcut")
+            .field("installed", &self.0.get().is_some())
+            .finish()
     }
 }
 

@@ -168,6 +168,8 @@ pub struct RdmaTransport {
     peer: String,
     push_up_to: u64,
     max_fallback_bytes: u64,
+    /// the client's way to take responses in the completion dispatch (see `Deliver`)
+    shortcut: rpc_core::ResponseShortcut,
 }
 
 enum State {
@@ -240,6 +242,7 @@ impl RdmaTransport {
             peer,
             push_up_to: crate::DEFAULT_PUSH_UP_TO,
             max_fallback_bytes: crate::DEFAULT_MAX_FALLBACK_BYTES,
+            shortcut: rpc_core::ResponseShortcut::new(),
         }
     }
 
@@ -332,7 +335,11 @@ impl rpc_core::Transport for RdmaTransport {
         // Unbounded, yet at most `slots` messages: a delivered message holds its slot's credit
         // until the reader takes it (see `Inbound`).
         let (in_tx, in_rx) = mpsc::unbounded_channel();
-        tokio::spawn(Inbound::start(&engine, Deliver(in_tx)));
+        let deliver = Deliver {
+            tx: in_tx,
+            shortcut: self.shortcut,
+        };
+        tokio::spawn(Inbound::start(&engine, deliver));
         tokio::spawn(send_loop(Arc::clone(&engine), msg_rx, ctl_rx));
         // The connecting side grants the peer the rest of its window now, before any message
         // needs it; the accepting side's grant rides on its first packet, once it has heard
@@ -360,6 +367,10 @@ impl rpc_core::Transport for RdmaTransport {
         self.peer.clone()
     }
 
+    fn response_shortcut(&self) -> Option<rpc_core::ResponseShortcut> {
+        Some(self.shortcut.clone())
+    }
+
     fn payload_memory(&self) -> Option<Arc<dyn rpc_core::payload::PayloadMemory>> {
         match &self.state {
             State::Ready(c) => Some(Arc::new(c.payload_memory())),
@@ -379,6 +390,7 @@ impl rpc_core::Transport for RdmaTransport {
                     peer,
                     push_up_to: self.push_up_to,
                     max_fallback_bytes: self.max_fallback_bytes,
+                    shortcut: self.shortcut,
                 })
             }
         }
@@ -417,15 +429,22 @@ struct Delivery {
     credit: bool,
 }
 
-/// The receive side's end of the reader's channel.
+/// The receive side's end of the reader's channel, and the client's shortcut past it.
 #[derive(Clone)]
-struct Deliver(mpsc::UnboundedSender<Delivery>);
+struct Deliver {
+    tx: mpsc::UnboundedSender<Delivery>,
+    /// A client takes its responses here, in the task that found them (the completion
+    /// dispatch, or a transfer's task), and wakes the caller: no hand-off to its reader task.
+    shortcut: rpc_core::ResponseShortcut,
+}
 
 impl Deliver {
     /// Hands on a message whose slot credit goes back when the reader takes it; `Err` (the
-    /// reader is gone) means the caller must release it.
+    /// client took it at once through its shortcut, or the reader is gone) means the caller
+    /// must release the credit.
     fn message(&self, msg: Message, credit: bool) -> Result<(), ()> {
-        self.0
+        let msg = self.shortcut.offer(msg).ok_or(())?;
+        self.tx
             .send(Delivery {
                 item: Ok(msg),
                 credit,
@@ -435,7 +454,7 @@ impl Deliver {
 
     /// Tells the reader why the connection ends.
     fn error(&self, e: io::Error) {
-        let _ = self.0.send(Delivery {
+        let _ = self.tx.send(Delivery {
             item: Err(e),
             credit: false,
         });
@@ -1668,6 +1687,7 @@ impl rpc_core::Listener for RdmaRpcListener {
             peer: "incoming RDMA connection".into(),
             push_up_to: self.push_up_to,
             max_fallback_bytes: self.max_fallback_bytes,
+            shortcut: rpc_core::ResponseShortcut::new(),
         })
     }
 }
