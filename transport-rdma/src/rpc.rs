@@ -670,6 +670,31 @@ struct Proto {
     heard: bool,
 }
 
+impl Proto {
+    /// Whether a packet may go now: the peer has been heard from, and a credit is free (for
+    /// `data`, one besides the one kept for returning credits).
+    fn may_send(&self, data: bool) -> bool {
+        self.heard
+            && if data {
+                self.credits.can_send()
+            } else {
+                self.credits.available() >= 1
+            }
+    }
+
+    /// Takes a credit and encodes a packet with `encode`, given the credits it returns to the
+    /// peer; marks it starved if we were blocked since our last packet.
+    fn encode_packet(&mut self, encode: impl FnOnce(&mut BytesMut, u16)) -> BytesMut {
+        let credits = self.credits.take().unwrap_or(0);
+        let mut out = BytesMut::with_capacity(256);
+        encode(&mut out, credits);
+        if std::mem::take(&mut self.starved) {
+            Packet::mark_starved(&mut out);
+        }
+        out
+    }
+}
+
 enum Ctl {
     Fin(u64),
     Refuse(u64, u32),
@@ -754,22 +779,9 @@ impl Engine {
             notified.as_mut().enable();
             let (out, credit_return) = {
                 let mut p = lock(&self.proto);
-                let ok = p.heard
-                    && if data {
-                        p.credits.can_send()
-                    } else {
-                        p.credits.available() >= 1
-                    };
-                if ok {
-                    let credits = p.credits.take().unwrap_or(0);
-                    let mut out = BytesMut::with_capacity(256);
-                    if let Some(f) = encode.take() {
-                        f(&mut out, credits);
-                    }
-                    if std::mem::take(&mut p.starved) {
-                        Packet::mark_starved(&mut out);
-                    }
-                    (Some(out), None)
+                if p.may_send(data) {
+                    let encode = encode.take().expect("encoded once, then sent");
+                    (Some(p.encode_packet(encode)), None)
                 } else if data && p.heard && p.credits.should_return() {
                     // Blocked on data credit while owing the peer half a window: return it now,
                     // with the credit kept for this, or both sides could wait on each other
@@ -819,19 +831,13 @@ impl Engine {
         };
         let out = {
             let mut p = lock(&self.proto);
-            if !(p.heard && p.credits.can_send()) {
+            if !p.may_send(true) {
                 return Ok(false);
             }
-            let credits = p.credits.take().unwrap_or(0);
-            let mut out = BytesMut::with_capacity(256);
-            match msgs {
-                [one] => Packet::encode_eager(&mut out, credits, one),
-                _ => Packet::encode_eager_batch(&mut out, credits, msgs),
-            }
-            if std::mem::take(&mut p.starved) {
-                Packet::mark_starved(&mut out);
-            }
-            out
+            p.encode_packet(|out, credits| match msgs {
+                [one] => Packet::encode_eager(out, credits, one),
+                _ => Packet::encode_eager_batch(out, credits, msgs),
+            })
         };
         self.conn.post_send_now(&out, permit)?;
         Ok(true)
