@@ -936,7 +936,11 @@ where
                     }
                 }
                 Poll::Ready(Some(Err(e))) => {
-                    tracing::warn!(error = %e, "bad frame from server; closing the connection");
+                    if e.kind() == io::ErrorKind::InvalidData {
+                        tracing::warn!(error = %e, "bad frame from server; closing the connection");
+                    } else {
+                        tracing::info!(error = %e, "connection failed; closing it");
+                    }
                     break Poll::Ready(());
                 }
                 Poll::Ready(None) => {

@@ -776,7 +776,13 @@ async fn serve_connection<T: Transport, S: Service>(
                                     let text = format!("request of {len} bytes exceeds the server's limit of {limit} bytes");
                                     conn.refuse(*id, ServerErrorKind::TooLarge, &text).await?;
                                 }
-                                tracing::warn!(error = %e, "unreadable frame; closing the connection");
+                                if e.kind() == io::ErrorKind::InvalidData {
+                                    tracing::warn!(error = %e, "unreadable frame; closing the connection");
+                                } else {
+                                    // the connection broke (reset, a failed transfer): no
+                                    // fault of the frames
+                                    tracing::info!(error = %e, "connection failed; closing it");
+                                }
                                 Flow::Close
                             }
                             None => Flow::Close,
