@@ -215,7 +215,7 @@ const T_EAGER_BATCH: u8 = 9;
 /// Header flag: the sender was blocked on send credits (see [`Packet::mark_starved`]).
 const FLAG_STARVED: u8 = 1;
 
-fn put_header(out: &mut BytesMut, ty: u8, credits: u16, n: u32, id: u64) {
+fn put_header<B: BufMut>(out: &mut B, ty: u8, credits: u16, n: u32, id: u64) {
     out.put_u8(ty);
     out.put_u8(0);
     out.put_u16_le(credits);
@@ -238,15 +238,16 @@ fn put_inline(out: &mut BytesMut, msg: &Message) {
 }
 
 impl Packet {
-    /// Encodes an eager packet carrying all of `msg`.
-    pub fn encode_eager(out: &mut BytesMut, credits: u16, msg: &Message) {
+    /// Encodes an eager packet carrying all of `msg` ([`Packet::batch_len`] of its
+    /// [`Message::wire_len`] bytes): into a growing buffer, or a slice with that much room.
+    pub fn encode_eager<B: BufMut>(out: &mut B, credits: u16, msg: &Message) {
         put_header(out, T_EAGER, credits, 0, 0);
         msg.encode_into(out);
     }
 
     /// Encodes an eager packet carrying all of `msgs`, one after the other (see
     /// [`Packet::EagerBatch`]; [`Packet::batch_len`] says how much room they take).
-    pub fn encode_eager_batch(out: &mut BytesMut, credits: u16, msgs: &[Message]) {
+    pub fn encode_eager_batch<B: BufMut>(out: &mut B, credits: u16, msgs: &[Message]) {
         put_header(out, T_EAGER_BATCH, credits, msgs.len() as u32, 0);
         for m in msgs {
             m.encode_into(out);

@@ -136,9 +136,9 @@ impl Message {
         self.wire_len() <= threshold as u64
     }
 
-    /// Writes the fixed header and the attachment table (everything before the body).
-    pub fn encode_head(&self, out: &mut BytesMut) {
-        out.reserve(HEADER_LEN + 8 * self.attachments.len());
+    /// Writes the fixed header and the attachment table (everything before the body). `out`
+    /// may be a growing buffer or a slice with room for it (a `&mut [u8]` panics when full).
+    pub fn encode_head<B: BufMut>(&self, out: &mut B) {
         // Built on the stack and copied once: cheaper than nine bounds-checked puts.
         let mut head = [0u8; HEADER_LEN];
         head[0..2].copy_from_slice(&MAGIC);
@@ -156,12 +156,13 @@ impl Message {
         }
     }
 
-    /// Writes the whole frame into `out` (copies body and attachments).
-    pub fn encode_into(&self, out: &mut BytesMut) {
+    /// Writes the whole frame into `out` (copies body and attachments): a growing buffer, or a
+    /// slice with room for [`wire_len`](Self::wire_len) bytes (a `&mut [u8]` panics when full).
+    pub fn encode_into<B: BufMut>(&self, out: &mut B) {
         self.encode_head(out);
-        out.extend_from_slice(&self.body);
+        out.put_slice(&self.body);
         for a in &self.attachments {
-            out.extend_from_slice(a);
+            out.put_slice(a);
         }
     }
 }
@@ -399,6 +400,7 @@ impl Encoder<Message> for FrameCodec {
     type Error = io::Error;
 
     fn encode(&mut self, msg: Message, dst: &mut BytesMut) -> io::Result<()> {
+        dst.reserve(msg.wire_len() as usize);
         msg.encode_into(dst);
         Ok(())
     }

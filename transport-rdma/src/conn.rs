@@ -1038,21 +1038,31 @@ impl RdmaConnection {
     /// A send slot from the pool (a new one if the pool is empty) with `msg` copied in; an
     /// error if `msg` does not fit a slot.
     fn filled_send_slot(&self, msg: &[u8]) -> Result<Arc<Region>, RdmaError> {
-        if msg.len() > self.shared.slot_size {
+        let mut slot = self.send_slot(msg.len())?;
+        slot.bytes()?.copy_from_slice(msg);
+        Ok(slot.into_region())
+    }
+
+    /// A send slot from the pool (a new one if the pool is empty) for a message of `len`
+    /// bytes, to be written in place and posted with [`post_slot_now`](Self::post_slot_now);
+    /// an error if `len` does not fit a slot. Dropped unposted, it goes back to the pool.
+    pub(crate) fn send_slot(&self, len: usize) -> Result<SendSlot<'_>, RdmaError> {
+        if len > self.shared.slot_size {
             return Err(RdmaError::InvalidArgument(format!(
-                "message of {} bytes exceeds the {}-byte slot",
-                msg.len(),
+                "message of {len} bytes exceeds the {}-byte slot",
                 self.shared.slot_size
             )));
         }
         let pooled = lock(&self.shared.send_pool).pop();
-        let mut slot = match pooled {
+        let region = match pooled {
             Some(s) => s,
             None => Region::new(self.shared.qp.device(), self.shared.slot_size)?,
         };
-        let bytes = Region::bytes_mut(&mut slot).ok_or(RdmaError::BufferBusy)?;
-        bytes[..msg.len()].copy_from_slice(msg);
-        Ok(slot)
+        Ok(SendSlot {
+            region: Some(region),
+            len,
+            shared: &self.shared,
+        })
     }
 
     /// A SEND slot, if one is free now, for [`post_send_now`](Self::post_send_now).
@@ -1062,21 +1072,22 @@ impl RdmaConnection {
             .ok()
     }
 
-    /// Posts `msg` as a SEND now, in the slot `permit` stands for, with no task waiting for it:
-    /// the completion driver puts the slot back in the pool (and releases the permit) when the
-    /// SEND completes.
-    pub(crate) fn post_send_now(
+    /// Posts `slot` (written in place) as a SEND now, in the place `permit` stands for, with
+    /// no task waiting for it: the completion driver puts the slot back in the pool (and
+    /// releases the permit) when the SEND completes.
+    pub(crate) fn post_slot_now(
         &self,
-        msg: &[u8],
+        slot: SendSlot<'_>,
         permit: tokio::sync::OwnedSemaphorePermit,
     ) -> Result<(), RdmaError> {
-        let slot = self.filled_send_slot(msg)?;
+        let len = slot.len;
+        let slot = slot.into_region();
         // under the state lock, so that the completion cannot be dispatched before it is known
         let mut st = lock(&self.shared.state);
         if let Some(why) = &st.closed {
             return Err(RdmaError::Closed(Some(why.clone())));
         }
-        let wr_id = self.shared.qp.post_send(&slot, 0, msg.len())?;
+        let wr_id = self.shared.qp.post_send(&slot, 0, len)?;
         st.unattended.insert(wr_id, (slot, permit));
         Ok(())
     }
@@ -1286,6 +1297,42 @@ async fn wait_completion(shared: &Shared, mut rx: oneshot::Receiver<Done>) -> Do
         res: Err(RdmaError::Closed(Some("completion driver stopped".into()))),
         buf: None,
     })
+}
+
+/// A send slot taken from the pool, written in place before it is posted
+/// ([`RdmaConnection::send_slot`]); it goes back to the pool if dropped unposted.
+pub(crate) struct SendSlot<'a> {
+    /// until posted
+    region: Option<Arc<Region>>,
+    /// the message's length
+    len: usize,
+    shared: &'a Shared,
+}
+
+impl SendSlot<'_> {
+    /// The message's bytes in the slot, to be written.
+    pub(crate) fn bytes(&mut self) -> Result<&mut [u8], RdmaError> {
+        let region = self
+            .region
+            .as_mut()
+            .expect("a slot has its region until posted");
+        let bytes = Region::bytes_mut(region).ok_or(RdmaError::BufferBusy)?;
+        Ok(&mut bytes[..self.len])
+    }
+
+    fn into_region(mut self) -> Arc<Region> {
+        self.region
+            .take()
+            .expect("a slot has its region until posted")
+    }
+}
+
+impl Drop for SendSlot<'_> {
+    fn drop(&mut self) {
+        if let Some(region) = self.region.take() {
+            lock(&self.shared.send_pool).push(region);
+        }
+    }
 }
 
 /// A posted SEND (see [`RdmaConnection::start_send`]). Dropping it without waiting is fine: the

@@ -511,7 +511,10 @@ impl RdmaWriter {
             return Poll::Ready(Ok(()));
         }
         let engine = &self.close.as_ref().expect("held only with an engine").0;
-        if !engine.post_direct(&self.held).map_err(to_io)? {
+        if !engine
+            .post_direct(&self.held, self.held_frames)
+            .map_err(to_io)?
+        {
             ready!(self.tx.poll_ready(cx)).map_err(closed_pipe)?;
             let out = Outgoing::Many(std::mem::take(&mut self.held));
             engine.queued.fetch_add(out.len(), Ordering::Release);
@@ -553,7 +556,10 @@ impl futures::Sink<Message> for RdmaWriter {
                 return Ok(());
             }
             // a full packet's worth: it goes now, if it can
-            if engine.post_direct(&this.held).map_err(to_io)? {
+            if engine
+                .post_direct(&this.held, this.held_frames)
+                .map_err(to_io)?
+            {
                 this.held.clear();
                 this.held_frames = item.wire_len();
                 this.held.push(item);
@@ -685,13 +691,32 @@ impl Proto {
     /// Takes a credit and encodes a packet with `encode`, given the credits it returns to the
     /// peer; marks it starved if we were blocked since our last packet.
     fn encode_packet(&mut self, encode: impl FnOnce(&mut BytesMut, u16)) -> BytesMut {
-        let credits = self.credits.take().unwrap_or(0);
         let mut out = BytesMut::with_capacity(256);
-        encode(&mut out, credits);
-        if std::mem::take(&mut self.starved) {
+        let starved = self.take_credits(|credits| encode(&mut out, credits));
+        if starved {
             Packet::mark_starved(&mut out);
         }
         out
+    }
+
+    /// As [`encode_packet`](Self::encode_packet), in place: into `out` (a send slot), which
+    /// `encode` fills exactly.
+    fn encode_packet_into(&mut self, out: &mut [u8], encode: impl FnOnce(&mut &mut [u8], u16)) {
+        let starved = self.take_credits(|credits| {
+            let mut rest = &mut *out;
+            encode(&mut rest, credits);
+            debug_assert!(rest.is_empty(), "a packet fills its slot's length");
+        });
+        if starved {
+            Packet::mark_starved(out);
+        }
+    }
+
+    /// Takes the credits to return with a packet and hands them to `encode`; says whether we
+    /// were blocked on credits since our last packet (the packet is marked so).
+    fn take_credits(&mut self, encode: impl FnOnce(u16)) -> bool {
+        encode(self.credits.take().unwrap_or(0));
+        std::mem::take(&mut self.starved)
     }
 }
 
@@ -823,23 +848,27 @@ impl Engine {
         )
     }
 
-    /// Posts eager messages (one, or several that fit one packet) now, from the caller's task,
-    /// if a credit and a send slot are free: `Ok(false)` if not (nothing was taken then).
-    fn post_direct(&self, msgs: &[Message]) -> Result<bool, RdmaError> {
+    /// Posts eager messages (one, or several that fit one packet; `frames` bytes of frames)
+    /// now, from the caller's task, if a credit and a send slot are free: `Ok(false)` if not
+    /// (nothing was taken then). The packet is encoded in the send slot itself: no buffer and
+    /// no copy in between.
+    fn post_direct(&self, msgs: &[Message], frames: u64) -> Result<bool, RdmaError> {
         let Some(permit) = self.conn.try_send_slot() else {
             return Ok(false);
         };
-        let out = {
+        let len = usize::try_from(Packet::batch_len(frames)).unwrap_or(usize::MAX);
+        let mut slot = self.conn.send_slot(len)?;
+        {
             let mut p = lock(&self.proto);
             if !p.may_send(true) {
                 return Ok(false);
             }
-            p.encode_packet(|out, credits| match msgs {
+            p.encode_packet_into(slot.bytes()?, |out, credits| match msgs {
                 [one] => Packet::encode_eager(out, credits, one),
                 _ => Packet::encode_eager_batch(out, credits, msgs),
-            })
-        };
-        self.conn.post_send_now(&out, permit)?;
+            });
+        }
+        self.conn.post_slot_now(slot, permit)?;
         Ok(true)
     }
 

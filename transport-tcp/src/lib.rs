@@ -25,7 +25,7 @@ use std::task::{ready, Context, Poll};
 
 use bytes::{Buf, Bytes, BytesMut};
 use futures::{Sink, Stream};
-use rpc_core::wire::{FrameCodec, Message};
+use rpc_core::wire::{FrameCodec, Message, HEADER_LEN};
 use rpc_core::{Config, Endpoint, Listener, Transport};
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
@@ -416,6 +416,8 @@ impl Sink<Message> for TcpWriter {
     fn start_send(mut self: Pin<&mut Self>, msg: Message) -> io::Result<()> {
         let this = &mut *self;
         this.queued += msg.wire_len() as usize;
+        this.buf
+            .reserve(HEADER_LEN + 8 * msg.attachments.len() + msg.body.len());
         msg.encode_head(&mut this.buf);
         this.buf.extend_from_slice(&msg.body);
         for a in msg.attachments {

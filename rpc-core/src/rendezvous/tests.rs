@@ -57,6 +57,30 @@ fn eager_batch_round_trip() {
 }
 
 #[test]
+fn eager_packets_encode_in_place_into_a_slice_of_their_length() {
+    // what a transport does with a send slot: batch_len bytes, filled exactly, the same bytes
+    // as into a growing buffer
+    let one = msg(1, b"in place", &[2, 0]);
+    let many = vec![msg(2, b"a", &[]), msg(3, &[7; 40], &[1, 3])];
+    for batch in [false, true] {
+        let msgs = if batch { &many[..] } else { std::slice::from_ref(&one) };
+        let frames: u64 = msgs.iter().map(|m| m.wire_len()).sum();
+        let mut grown = BytesMut::new();
+        let mut slot = vec![0xee; Packet::batch_len(frames) as usize];
+        let mut rest = &mut slot[..];
+        if batch {
+            Packet::encode_eager_batch(&mut grown, 4, msgs);
+            Packet::encode_eager_batch(&mut rest, 4, msgs);
+        } else {
+            Packet::encode_eager(&mut grown, 4, &one);
+            Packet::encode_eager(&mut rest, 4, &one);
+        }
+        assert!(rest.is_empty(), "the slot is filled exactly");
+        assert_eq!(&slot[..], &grown[..]);
+    }
+}
+
+#[test]
 fn eager_batch_lies_are_violations() {
     let ms = vec![msg(1, b"one", &[]), msg(2, b"two", &[4])];
     let mut good = BytesMut::new();
