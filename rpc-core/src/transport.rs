@@ -16,6 +16,9 @@
 //!   ones move their attachments on the bulk path.
 //! - Both halves end with an error or `None` when the connection is gone; the protocol then
 //!   fails the calls in flight with `ConnectionClosed`.
+//! - Optionally, a transport that receives in a task of its own offers each received message
+//!   to a [`ResponseShortcut`] first, so that a client completes its calls there (see
+//!   [`Transport::response_shortcut`]).
 
 use std::fmt;
 use std::future::Future;
