@@ -63,7 +63,11 @@ fn eager_packets_encode_in_place_into_a_slice_of_their_length() {
     let one = msg(1, b"in place", &[2, 0]);
     let many = vec![msg(2, b"a", &[]), msg(3, &[7; 40], &[1, 3])];
     for batch in [false, true] {
-        let msgs = if batch { &many[..] } else { std::slice::from_ref(&one) };
+        let msgs = if batch {
+            &many[..]
+        } else {
+            std::slice::from_ref(&one)
+        };
         let frames: u64 = msgs.iter().map(|m| m.wire_len()).sum();
         let mut grown = BytesMut::new();
         let mut slot = vec![0xee; Packet::batch_len(frames) as usize];
