@@ -691,8 +691,9 @@ impl Proto {
     /// Takes a credit and encodes a packet with `encode`, given the credits it returns to the
     /// peer; marks it starved if we were blocked since our last packet.
     fn encode_packet(&mut self, encode: impl FnOnce(&mut BytesMut, u16)) -> BytesMut {
+        let (credits, starved) = self.take_credits();
         let mut out = BytesMut::with_capacity(256);
-        let starved = self.take_credits(|credits| encode(&mut out, credits));
+        encode(&mut out, credits);
         if starved {
             Packet::mark_starved(&mut out);
         }
@@ -702,21 +703,20 @@ impl Proto {
     /// As [`encode_packet`](Self::encode_packet), in place: into `out` (a send slot), which
     /// `encode` fills exactly.
     fn encode_packet_into(&mut self, out: &mut [u8], encode: impl FnOnce(&mut &mut [u8], u16)) {
-        let starved = self.take_credits(|credits| {
-            let mut rest = &mut *out;
-            encode(&mut rest, credits);
-            debug_assert!(rest.is_empty(), "a packet fills its slot's length");
-        });
+        let (credits, starved) = self.take_credits();
+        let mut rest = &mut *out;
+        encode(&mut rest, credits);
+        debug_assert!(rest.is_empty(), "a packet fills its slot's length");
         if starved {
             Packet::mark_starved(out);
         }
     }
 
-    /// Takes the credits to return with a packet and hands them to `encode`; says whether we
-    /// were blocked on credits since our last packet (the packet is marked so).
-    fn take_credits(&mut self, encode: impl FnOnce(u16)) -> bool {
-        encode(self.credits.take().unwrap_or(0));
-        std::mem::take(&mut self.starved)
+    /// The credits to return with the next packet, and whether we were blocked on credits
+    /// since our last packet (that packet is then marked so).
+    fn take_credits(&mut self) -> (u16, bool) {
+        let credits = self.credits.take().unwrap_or(0);
+        (credits, std::mem::take(&mut self.starved))
     }
 }
 

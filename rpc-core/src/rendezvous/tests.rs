@@ -61,7 +61,7 @@ fn eager_packets_encode_in_place_into_a_slice_of_their_length() {
     // what a transport does with a send slot: batch_len bytes, filled exactly, the same bytes
     // as into a growing buffer
     let one = msg(1, b"in place", &[2, 0]);
-    let many = vec![msg(2, b"a", &[]), msg(3, &[7; 40], &[1, 3])];
+    let many = [msg(2, b"a", &[]), msg(3, &[7; 40], &[1, 3])];
     for batch in [false, true] {
         let msgs = if batch {
             &many[..]
