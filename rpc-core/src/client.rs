@@ -999,28 +999,27 @@ fn take_response(
             return Some(msg);
         };
         answers.fetch_add(1, Ordering::Relaxed);
-        // None: the call was cancelled or timed out meanwhile, or the connection is closed.
-        let caller = table
-            .lock()
-            .expect("calls lock")
-            .complete(msg.header.id, Ok(msg));
-        if let Some(w) = caller {
-            w.wake();
-        }
+        answer(&table, msg);
         None
+    }
+}
+
+/// Completes the call a response answers and wakes its caller. An answer to a call no longer
+/// waiting (cancelled, timed out, the connection closed) is dropped.
+fn answer(table: &Mutex<Table>, msg: Message) {
+    let caller = table
+        .lock()
+        .expect("calls lock")
+        .complete(msg.header.id, Ok(msg));
+    if let Some(w) = caller {
+        w.wake();
     }
 }
 
 /// Handles one frame from the server; false if the connection must close.
 fn on_frame(state: &State, msg: Message) -> bool {
     match msg.header.kind {
-        Kind::Response => {
-            // None: the call was cancelled or timed out meanwhile.
-            let caller = state.lock().complete(msg.header.id, Ok(msg));
-            if let Some(w) = caller {
-                w.wake();
-            }
-        }
+        Kind::Response => answer(&state.table, msg),
         Kind::Ping => state.send(Message::control(Kind::Pong, msg.header.id)),
         Kind::Pong | Kind::Hello => {}
         Kind::GoAway => {
