@@ -1021,26 +1021,28 @@ impl RdmaConnection {
     /// that order, so several can be in flight.
     pub async fn start_send(&self, msg: &[u8]) -> Result<SendCompletion, RdmaError> {
         self.check_open()?;
-        let permit = Arc::clone(&self.shared.send_permits)
-            .acquire_owned()
-            .await
-            .map_err(|_| RdmaError::Closed(None))?;
-        let slot = self.filled_send_slot(msg)?;
-        let rx = post(&self.shared, |qp| qp.post_send(&slot, 0, msg.len()))?;
+        let permit = self.send_permit().await?;
+        let mut slot = self.send_slot(msg.len())?;
+        slot.bytes()?.copy_from_slice(msg);
+        self.post_slot(slot, permit)
+    }
+
+    /// Posts `slot` (written in place) as a SEND, in the place `permit` stands for; the
+    /// returned completion gives both back.
+    pub(crate) fn post_slot(
+        &self,
+        slot: SendSlot<'_>,
+        permit: tokio::sync::OwnedSemaphorePermit,
+    ) -> Result<SendCompletion, RdmaError> {
+        let len = slot.len;
+        let slot = slot.into_region();
+        let rx = post(&self.shared, |qp| qp.post_send(&slot, 0, len))?;
         Ok(SendCompletion {
             rx,
             slot,
             shared: Arc::clone(&self.shared),
             _permit: permit,
         })
-    }
-
-    /// A send slot from the pool (a new one if the pool is empty) with `msg` copied in; an
-    /// error if `msg` does not fit a slot.
-    fn filled_send_slot(&self, msg: &[u8]) -> Result<Arc<Region>, RdmaError> {
-        let mut slot = self.send_slot(msg.len())?;
-        slot.bytes()?.copy_from_slice(msg);
-        Ok(slot.into_region())
     }
 
     /// A send slot from the pool (a new one if the pool is empty) for a message of `len`
@@ -1065,7 +1067,15 @@ impl RdmaConnection {
         })
     }
 
-    /// A SEND slot, if one is free now, for [`post_send_now`](Self::post_send_now).
+    /// Waits for a free SEND slot, for [`post_slot_now`](Self::post_slot_now).
+    pub(crate) async fn send_permit(&self) -> Result<tokio::sync::OwnedSemaphorePermit, RdmaError> {
+        Arc::clone(&self.shared.send_permits)
+            .acquire_owned()
+            .await
+            .map_err(|_| RdmaError::Closed(None))
+    }
+
+    /// A SEND slot, if one is free now, for [`post_slot_now`](Self::post_slot_now).
     pub(crate) fn try_send_slot(&self) -> Option<tokio::sync::OwnedSemaphorePermit> {
         Arc::clone(&self.shared.send_permits)
             .try_acquire_owned()
