@@ -702,6 +702,7 @@ async fn serve_connection<T: Transport, S: Service>(
     ctx.stats.connections.fetch_add(1, Relaxed);
     tracing::debug!("connection open");
     let memory = transport.payload_memory();
+    let coalesce = transport.coalesce_writes();
     let (mut reader, writer) = transport.split();
     let (outbox, answers) = mpsc::unbounded_channel();
     let mut keepalive = KeepAlive::new(ctx.config.keepalive_interval, ctx.config.keepalive_timeout);
@@ -751,12 +752,16 @@ async fn serve_connection<T: Transport, S: Service>(
                 }
                 next = reader.next() => {
                     let mut next = Some(next);
+                    // frames read in this turn, and whether it yielded once for more
+                    let mut frames = 0usize;
+                    let mut yielded = false;
                     let mut flow = Flow::Continue;
                     // Take every frame already received before flushing once.
                     while let Some(frame) = next.take() {
                         flow = match frame {
                             Some(Ok(msg)) => {
                                 keepalive.saw_frame();
+                                frames += 1;
                                 if msg.header.kind == Kind::Request {
                                     // The common case without an `on_frame` future.
                                     match conn.start_request(msg) {
@@ -791,6 +796,22 @@ async fn serve_connection<T: Transport, S: Service>(
                             break;
                         }
                         next = reader.next().now_or_never();
+                        if next.is_none()
+                            && flow == Flow::Continue
+                            && coalesce
+                            && frames >= 2
+                            && !yielded
+                        {
+                            // Requests came in a bunch: the client has several calls in
+                            // flight, and the rest of its bunch is likely being written. Let
+                            // the runtime's other tasks run (and its I/O driver look) once
+                            // before answering, so that they are read and answered with one
+                            // flush. 64 in flight on TCP: +4-10%; a lone call never waits.
+                            // (Over RDMA the same cost a third of 64-in-flight throughput.)
+                            yielded = true;
+                            tokio::task::yield_now().await;
+                            next = reader.next().now_or_never();
+                        }
                     }
                     flow
                 }

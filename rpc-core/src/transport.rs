@@ -43,9 +43,10 @@ pub trait Transport: Send + 'static {
     /// The peer's address, for logs.
     fn peer(&self) -> String;
 
-    /// Whether the client's writer should wait one scheduling turn for other calls' frames
-    /// before writing, when calls are in flight, so that they share one write. Worth it where a
-    /// write is a system call (TCP). The default is off.
+    /// Whether writes should wait one scheduling turn for more frames, so that they share one
+    /// write: the client's writer when calls are in flight, the server after a turn that read
+    /// several requests at once. Worth it where a write is a system call (TCP); over RDMA, a
+    /// turn given up costs more than the packets it saves. The default is off.
     fn coalesce_writes(&self) -> bool {
         false
     }
