@@ -46,6 +46,7 @@ mod config;
 mod conn;
 mod endpoint;
 mod error;
+pub mod ids;
 pub mod mem;
 pub mod payload;
 pub mod pool;

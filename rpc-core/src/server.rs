@@ -2,10 +2,9 @@
 //! dispatch with cancellation, deadlines, panic isolation and flow control, and graceful
 //! shutdown.
 
+use crate::ids::IdMap;
 use std::any::Any;
-use std::collections::HashMap;
 use std::future::Future;
-use std::hash::{BuildHasherDefault, Hasher};
 use std::io;
 use std::panic::AssertUnwindSafe;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
@@ -294,31 +293,8 @@ fn is_resource_exhaustion(e: &io::Error) -> bool {
 }
 
 /// Handlers running in their own task, by request id (only those can be cancelled).
-type Calls = Arc<Mutex<HashMap<u64, AbortHandle, BuildHasherDefault<IdHasher>>>>;
+type Calls = Arc<Mutex<IdMap<AbortHandle>>>;
 type Outcome = Result<Result<Reply, ServerError>, Box<dyn Any + Send>>;
-
-/// Hashes a request id with one multiplication, folding the high half of the product into
-/// the low one so that every bit of the id reaches the bits the table uses (ids are chosen
-/// by the client; SipHash would cost more than the rest of the bookkeeping of a call).
-#[derive(Default, Clone, Copy)]
-struct IdHasher(u64);
-
-impl Hasher for IdHasher {
-    fn finish(&self) -> u64 {
-        self.0
-    }
-
-    fn write(&mut self, bytes: &[u8]) {
-        for &b in bytes {
-            self.write_u64(self.0 ^ u64::from(b));
-        }
-    }
-
-    fn write_u64(&mut self, n: u64) {
-        let p = u128::from(n ^ self.0) * 0x9e37_79b9_7f4a_7c15;
-        self.0 = (p as u64) ^ ((p >> 64) as u64);
-    }
-}
 
 /// The future of one call to a service (see [`handler_future`]).
 async fn handler_future<S: Service>(

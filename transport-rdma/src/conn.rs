@@ -15,10 +15,11 @@ use crate::cm::CmDispatcher;
 use crate::error::RdmaError;
 use crate::pool::PoolMonitor;
 use crate::verbs::{
-    self, CmEvent, CmEventKind, CmId, CmQpState, Cq, Mem, PoolAccess, PoolBuf, PoolRegion, Qp,
-    QpCaps, Region, RemoteAddr, Srq, Transport, Wc, WrKind,
+    self, CmEvent, CmEventKind, CmId, CmQpState, Cq, Mem, Polled, PoolAccess, PoolBuf, PoolRegion,
+    Qp, QpCaps, Region, RemoteAddr, Srq, Transport, Wc, WrKind,
 };
 use crate::{RdmaOptions, TransportKind};
+use rpc_core::ids::IdMap;
 use rpc_core::pool::{Pool, SizeClass};
 use rpc_core::rendezvous::{RecvBudget, START_WINDOW};
 
@@ -77,7 +78,7 @@ struct Shared {
     qp: Arc<Qp>,
     cq: Arc<Cq>,
     /// held while polling the CQ and dispatching, so completions are delivered in order
-    poll_lock: Mutex<Vec<Wc>>,
+    poll_lock: Mutex<Polled>,
     recv_tx: mpsc::UnboundedSender<RecvEvent>,
     /// where received messages go once a receiver is installed (see
     /// [`RdmaConnection::deliver_to`]): straight from the task that polled the CQ, instead of
@@ -285,10 +286,10 @@ pub(crate) enum PoolUse {
 
 #[derive(Default)]
 struct State {
-    waiters: HashMap<u64, oneshot::Sender<Done>>,
+    waiters: IdMap<oneshot::Sender<Done>>,
     /// SENDs posted with no task waiting (see `RdmaConnection::post_send_now`): their slots go
     /// back to the pool, and their permits are released, when they complete
-    unattended: HashMap<u64, (Arc<Region>, tokio::sync::OwnedSemaphorePermit)>,
+    unattended: IdMap<(Arc<Region>, tokio::sync::OwnedSemaphorePermit)>,
     /// set once the connection is unusable: why
     closed: Option<String>,
     /// set by the first real failure (an error completion other than a flush, a driver error):
@@ -431,7 +432,7 @@ impl Shared {
     /// Polls the CQ and dispatches what it finds, unless another task is doing it (then 0).
     /// `Err` when polling failed (the connection is then failed).
     fn poll_once(&self, wait: bool) -> Result<usize, RdmaError> {
-        let mut wcs = if wait {
+        let mut polled = if wait {
             lock(&self.poll_lock)
         } else {
             match self.poll_lock.try_lock() {
@@ -440,8 +441,7 @@ impl Shared {
                 Err(std::sync::TryLockError::WouldBlock) => return Ok(0),
             }
         };
-        wcs.clear();
-        let n = match self.cq.poll(&mut wcs, 64) {
+        let n = match self.cq.poll(&mut polled) {
             Ok(n) => n,
             Err(e) => {
                 fail_all(self, &format!("{e}"));
@@ -450,7 +450,7 @@ impl Shared {
         };
         if n > 0 {
             self.spin.on_completions(self.spin.now());
-            dispatch(self, &wcs);
+            dispatch(self, polled.wcs());
         }
         Ok(n)
     }
@@ -793,7 +793,7 @@ impl RdmaConnection {
         let shared = Arc::new(Shared {
             qp,
             cq: Arc::clone(&cq),
-            poll_lock: Mutex::new(Vec::with_capacity(64)),
+            poll_lock: Mutex::new(Polled::new()),
             recv_tx,
             receiver: OnceLock::new(),
             spin: SpinWindow::new(opts.busy_poll, opts.busy_poll_max),

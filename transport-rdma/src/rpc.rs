@@ -38,7 +38,7 @@
 //! instead of registering one when the pool is exhausted (attachments larger than the pool's
 //! largest class use kept regions of their own, see the crate docs).
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::VecDeque;
 use std::io;
 use std::net::SocketAddr;
 use std::pin::Pin;
@@ -49,6 +49,7 @@ use std::task::{Context, Poll};
 use bytes::BytesMut;
 use futures::channel::mpsc as fmpsc;
 use futures::{ready, SinkExt, Stream, StreamExt};
+use rpc_core::ids::IdMap;
 use rpc_core::rendezvous::{
     refuse, Credits, Direction, Incoming, Packet, Plan, Segment, Transfers, PACKET_HEADER_LEN,
     START_WINDOW,
@@ -314,7 +315,7 @@ impl rpc_core::Transport for RdmaTransport {
             proto: Mutex::new(Proto {
                 credits,
                 transfers: Transfers::new(),
-                push_lens: HashMap::new(),
+                push_lens: IdMap::default(),
                 ops: 0,
                 starved: false,
                 heard: !accepted,
@@ -664,7 +665,7 @@ struct Proto {
     credits: Credits,
     transfers: Transfers<Held>,
     /// the attachment lengths of our push transfers awaiting the peer's `Cts`
-    push_lens: HashMap<u64, Vec<u64>>,
+    push_lens: IdMap<Vec<u64>>,
     /// rendezvous READs/WRITEs running (see `Op`)
     ops: usize,
     /// we have been blocked on send credits since our last packet (the next one says so)

@@ -33,7 +33,6 @@
 //! states...). Those conversions are only called through [`guarded`], which turns a panic into
 //! an error value.
 
-use std::collections::HashMap;
 use std::mem::ManuallyDrop;
 use std::net::SocketAddr;
 use std::os::fd::{AsRawFd, RawFd};
@@ -61,6 +60,7 @@ use sideway::rdmacm::communication_manager::{
 };
 
 use crate::error::RdmaError;
+use rpc_core::ids::IdMap;
 
 /// Runs `f`, turning a panic inside sideway (unknown enum value) into an error.
 /// (With `panic = "abort"` nothing can be caught; the values guarded here come from the kernel and
@@ -422,6 +422,36 @@ pub(crate) struct Cq {
     _device: Arc<Device>,
 }
 
+/// Where [`Cq::poll`] puts completions: the provider's raw entries, and ours.
+///
+/// The raw array is zeroed once, when this is made, and reused: zeroing 1.5 KiB on every poll
+/// cost ~100 instructions, and a spinning driver polls far more often than it finds anything.
+/// (Entries a poll did not write keep an earlier poll's values, never uninitialised bytes:
+/// providers need not write every field, e.g. `vendor_err` of a successful completion.)
+pub(crate) struct Polled {
+    raw: Box<[rdma_mummy_sys::ibv_wc; Polled::MAX]>,
+    wcs: Vec<Wc>,
+}
+
+impl Polled {
+    /// The most completions one poll takes.
+    pub(crate) const MAX: usize = 32;
+
+    pub(crate) fn new() -> Polled {
+        Polled {
+            // SAFETY: `ibv_wc` is a plain C struct (integers and a union of integers), for
+            // which all-zero bytes are a valid value.
+            raw: Box::new(unsafe { std::mem::zeroed() }),
+            wcs: Vec::with_capacity(Polled::MAX),
+        }
+    }
+
+    /// The completions of the last poll.
+    pub(crate) fn wcs(&self) -> &[Wc] {
+        &self.wcs
+    }
+}
+
 /// A work completion, decoded.
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct Wc {
@@ -494,22 +524,21 @@ impl Cq {
         }))
     }
 
-    /// Polls up to `max` completions into `out`; returns how many.
+    /// Polls up to [`Polled::MAX`] completions into `into` (replacing what it held); returns
+    /// how many.
     ///
-    /// Calls `ibv_poll_cq` directly into an array on the stack: sideway's `start_poll`
-    /// allocates a vector for every poll, an empty one included, which a spinning completion
-    /// driver pays on every turn.
-    pub(crate) fn poll(&self, out: &mut Vec<Wc>, max: usize) -> Result<usize, RdmaError> {
-        const BATCH: usize = 32;
-        // SAFETY: `ibv_wc` is a plain C struct (integers and a union of integers), for which
-        // all-zero bytes are a valid value.
-        let mut wcs: [rdma_mummy_sys::ibv_wc; BATCH] = unsafe { std::mem::zeroed() };
-        let want = max.min(BATCH) as i32;
-        // SAFETY: the CQ is live (we hold its Arc for the duration of the call); `wcs` has room
-        // for `want` entries, which is all the provider may write; the function pointer comes
-        // from the provider's ops table filled when the CQ was created.
-        let ret =
-            unsafe { rdma_mummy_sys::ibv_poll_cq(self.cq.cq().as_ptr(), want, wcs.as_mut_ptr()) };
+    /// Calls `ibv_poll_cq` directly into `into`'s array: sideway's `start_poll` allocates a
+    /// vector for every poll, an empty one included, which a spinning completion driver pays
+    /// on every turn.
+    pub(crate) fn poll(&self, into: &mut Polled) -> Result<usize, RdmaError> {
+        into.wcs.clear();
+        let raw = &mut *into.raw;
+        // SAFETY: the CQ is live (we hold its Arc for the duration of the call); `raw` has room
+        // for `Polled::MAX` entries, which is all the provider may write; the function pointer
+        // comes from the provider's ops table filled when the CQ was created.
+        let ret = unsafe {
+            rdma_mummy_sys::ibv_poll_cq(self.cq.cq().as_ptr(), Polled::MAX as i32, raw.as_mut_ptr())
+        };
         if ret < 0 {
             // siw returns negative errno values, others -1 with errno set
             let e = if ret == -1 {
@@ -522,8 +551,8 @@ impl Cq {
                 source: Box::new(e),
             });
         }
-        let n = (ret as usize).min(want as usize);
-        out.extend(wcs[..n].iter().map(|wc| Wc {
+        let n = (ret as usize).min(Polled::MAX);
+        into.wcs.extend(raw[..n].iter().map(|wc| Wc {
             wr_id: wc.wr_id,
             kind: WrKind::of(wc.wr_id),
             status: wc.status,
@@ -699,7 +728,7 @@ pub(crate) struct Qp {
     qp: ManuallyDrop<RawQp>,
     /// serializes `ibv_modify_qp` calls
     modify_lock: Mutex<()>,
-    inflight: Mutex<HashMap<u64, InFlight>>,
+    inflight: Mutex<IdMap<InFlight>>,
     qp_num: u32,
     next_wr: AtomicU64,
     srq: Option<Arc<Srq>>,
@@ -716,14 +745,13 @@ impl Drop for Qp {
         // collect those completions here, before the CQ goes, and post their buffers to the
         // shared queue again: otherwise the queue would count them as posted for ever.
         let Some(srq) = &self.srq else { return };
-        let mut wcs = Vec::with_capacity(64);
+        let mut polled = Polled::new();
         loop {
-            wcs.clear();
-            match self._cq.poll(&mut wcs, 64) {
+            match self._cq.poll(&mut polled) {
                 Ok(0) | Err(_) => break,
                 Ok(_) => {}
             }
-            for wc in &wcs {
+            for wc in polled.wcs() {
                 if wc.kind != WrKind::Recv {
                     continue;
                 }
@@ -793,7 +821,7 @@ impl Qp {
         Ok(Arc::new(Qp {
             qp: ManuallyDrop::new(RawQp { qp }),
             modify_lock: Mutex::new(()),
-            inflight: Mutex::new(HashMap::new()),
+            inflight: Mutex::new(IdMap::default()),
             qp_num,
             next_wr: AtomicU64::new(1),
             srq: srq.cloned(),
@@ -1193,7 +1221,7 @@ impl Qp {
 pub(crate) struct Srq {
     // drop order: the SRQ is destroyed (in Drop) before the buffers posted to it are released
     srq: NonNull<ibv_srq>,
-    inflight: Mutex<HashMap<u64, PoolBuf>>,
+    inflight: Mutex<IdMap<PoolBuf>>,
     next_wr: AtomicU64,
     device: Arc<Device>,
 }
@@ -1224,7 +1252,7 @@ impl Srq {
         })?;
         Ok(Arc::new(Srq {
             srq,
-            inflight: Mutex::new(HashMap::new()),
+            inflight: Mutex::new(IdMap::default()),
             next_wr: AtomicU64::new(1),
             device: Arc::clone(device),
         }))
@@ -1313,7 +1341,7 @@ impl Drop for Srq {
 /// A pool work request that failed to post: its buffer comes back out of `inflight`, with the
 /// error.
 fn unpost_pool<E: std::error::Error + Send + Sync + 'static>(
-    inflight: &mut HashMap<u64, InFlight>,
+    inflight: &mut IdMap<InFlight>,
     wr_id: u64,
     op: &'static str,
     e: E,
