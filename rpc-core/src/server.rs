@@ -703,11 +703,17 @@ async fn serve_connection<T: Transport, S: Service>(
         draining: false,
         memory,
     };
+    // Made once: a new `cancelled()` future every turn registered with the token and
+    // unregistered again each time (~350 instructions per turn, 3% of the server's work for a
+    // small call over RDMA).
+    let shutdown = conn.ctx.shutdown.clone();
+    let shutdown = shutdown.cancelled();
+    tokio::pin!(shutdown);
     let result: io::Result<()> = async {
         loop {
             let flow = tokio::select! {
                 biased;
-                _ = conn.ctx.shutdown.cancelled(), if !conn.draining => {
+                () = &mut shutdown, if !conn.draining => {
                     conn.check_shutdown().await?;
                     Flow::Continue
                 }
