@@ -1,6 +1,7 @@
 //! The server's connection task answers a bunch of requests with one flush: after a turn that
-//! read several requests, a transport that coalesces writes (TCP) gets one scheduling turn for
-//! more before the answers go out; one that does not (RDMA) gets its answers at once. The
+//! read a bunch (8 or more requests), a transport that coalesces writes (TCP) gets one
+//! scheduling turn for more before the answers go out; one that does not (RDMA) gets its
+//! answers at once, and so does a smaller bunch. The
 //! transport is the in-process one, with a writer that records how many answers each flush
 //! carried; the frames are sent by hand, on a current-thread runtime, so the order is fixed.
 
@@ -120,10 +121,10 @@ fn request(id: u64) -> Message {
     }
 }
 
-/// Sends requests 1 and 2 together, lets the runtime run its other tasks once, sends request
-/// 3, and returns how many answers each of the server's flushes carried (after a first call,
-/// which sets the connection up).
-async fn flushes_of_a_bunch(coalesce: bool) -> Vec<usize> {
+/// Sends requests 1..=`bunch` together, lets the runtime run its other tasks once, sends one
+/// more, and returns how many answers each of the server's flushes carried (after a first
+/// call, which sets the connection up).
+async fn flushes_of_a_bunch(coalesce: bool, bunch: u64) -> Vec<usize> {
     let flushes = Arc::new(Mutex::new(Flushes::default()));
     let (listener, connector) = mem::listener();
     let shutdown = ShutdownHandle::new();
@@ -145,21 +146,22 @@ async fn flushes_of_a_bunch(coalesce: bool) -> Vec<usize> {
     assert_eq!(flushes.lock().unwrap().sizes, vec![1]);
     flushes.lock().unwrap().sizes.clear();
 
-    requests.feed(request(1)).await.unwrap();
-    requests.feed(request(2)).await.unwrap();
+    for id in 1..=bunch {
+        requests.feed(request(id)).await.unwrap();
+    }
     requests.flush().await.unwrap();
-    // The server's task runs now: it reads 1 and 2, and either answers them at once or
+    // The server's task runs now: it reads the bunch, and either answers it at once or
     // yields; this task's turn (deferred before the server's) comes first.
     tokio::task::yield_now().await;
-    requests.send(request(3)).await.unwrap();
+    requests.send(request(bunch + 1)).await.unwrap();
     let mut ids = Vec::new();
-    for _ in 0..3 {
+    for _ in 0..=bunch {
         let a = answers.next().await.unwrap().unwrap();
         assert_eq!(a.header.kind, Kind::Response);
         assert_eq!(a.header.aux, 0, "the call failed");
         ids.push(a.header.id);
     }
-    assert_eq!(ids, vec![1, 2, 3]);
+    assert_eq!(ids, (1..=bunch + 1).collect::<Vec<_>>());
     let sizes = flushes.lock().unwrap().sizes.clone();
     drop((answers, requests));
     shutdown.shutdown();
@@ -169,10 +171,15 @@ async fn flushes_of_a_bunch(coalesce: bool) -> Vec<usize> {
 
 #[tokio::test(flavor = "current_thread")]
 async fn a_coalescing_transport_gets_a_bunch_in_one_flush() {
-    assert_eq!(flushes_of_a_bunch(true).await, vec![3]);
+    assert_eq!(flushes_of_a_bunch(true, 8).await, vec![9]);
+}
+
+#[tokio::test(flavor = "current_thread")]
+async fn a_smaller_bunch_is_answered_at_once() {
+    assert_eq!(flushes_of_a_bunch(true, 7).await, vec![7, 1]);
 }
 
 #[tokio::test(flavor = "current_thread")]
 async fn other_transports_get_answers_at_once() {
-    assert_eq!(flushes_of_a_bunch(false).await, vec![2, 1]);
+    assert_eq!(flushes_of_a_bunch(false, 8).await, vec![8, 1]);
 }
