@@ -2,7 +2,6 @@
 //! dispatch with cancellation, deadlines, panic isolation and flow control, and graceful
 //! shutdown.
 
-use crate::ids::IdMap;
 use std::any::Any;
 use std::future::Future;
 use std::io;
@@ -27,6 +26,7 @@ use tracing::Instrument;
 
 use crate::codec::Codec;
 use crate::conn::{encode_body, KeepAlive, Outbox, Tick};
+use crate::ids::IdMap;
 use crate::payload::{with_attachments, PayloadMemory, PayloadMut};
 use crate::transport::{Listener, Transport};
 use crate::wire::{FrameError, Header, Kind, Message};

@@ -287,7 +287,7 @@ pub(crate) enum PoolUse {
 #[derive(Default)]
 struct State {
     waiters: IdMap<oneshot::Sender<Done>>,
-    /// SENDs posted with no task waiting (see `RdmaConnection::post_send_now`): their slots go
+    /// SENDs posted with no task waiting (see `RdmaConnection::post_slot_now`): their slots go
     /// back to the pool, and their permits are released, when they complete
     unattended: IdMap<(Arc<Region>, tokio::sync::OwnedSemaphorePermit)>,
     /// set once the connection is unusable: why
