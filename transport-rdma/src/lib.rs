@@ -132,6 +132,7 @@
 mod cm;
 mod conn;
 mod error;
+mod inbox;
 mod pool;
 mod rpc;
 #[allow(unsafe_code)]

@@ -59,6 +59,7 @@ use rpc_core::{Config, Payload};
 use tokio::sync::{mpsc, Notify, OwnedSemaphorePermit, Semaphore};
 
 use crate::conn::{PendingConnection, PoolUse};
+use crate::inbox::{self, inbox};
 use crate::verbs::PoolBuf;
 use crate::{
     FrozenBuffer, PoolMonitor, RdmaBuffer, RdmaConnection, RdmaError, RdmaListener, RdmaOptions,
@@ -278,7 +279,7 @@ impl rpc_core::Transport for RdmaTransport {
                 tracing::error!(
                     "transport-rdma: split() of an accepted connection before establish()"
                 );
-                let (_, in_rx) = mpsc::unbounded_channel::<Delivery>();
+                let (_, in_rx) = inbox::<Delivery>();
                 let (msg_tx, _) = fmpsc::channel::<Outgoing>(1);
                 return (
                     RdmaReader {
@@ -335,7 +336,7 @@ impl rpc_core::Transport for RdmaTransport {
         let (msg_tx, msg_rx) = fmpsc::channel(64);
         // Unbounded, yet at most `slots` messages: a delivered message holds its slot's credit
         // until the reader takes it (see `Inbound`).
-        let (in_tx, in_rx) = mpsc::unbounded_channel();
+        let (in_tx, in_rx) = inbox();
         let deliver = Deliver {
             tx: in_tx,
             shortcut: self.shortcut,
@@ -400,7 +401,7 @@ impl rpc_core::Transport for RdmaTransport {
 
 /// Receiving half of an [`RdmaTransport`].
 pub struct RdmaReader {
-    rx: mpsc::UnboundedReceiver<Delivery>,
+    rx: inbox::Receiver<Delivery>,
     engine: Option<Arc<Engine>>,
     _close: Option<Arc<CloseOnDrop>>,
 }
@@ -433,7 +434,7 @@ struct Delivery {
 /// The receive side's end of the reader's channel, and the client's shortcut past it.
 #[derive(Clone)]
 struct Deliver {
-    tx: mpsc::UnboundedSender<Delivery>,
+    tx: inbox::Sender<Delivery>,
     /// A client takes its responses here, in the task that found them (the completion
     /// dispatch, or a transfer's task), and wakes the caller: no hand-off to its reader task.
     shortcut: rpc_core::ResponseShortcut,
