@@ -4,12 +4,17 @@
 //! ```text
 //! cargo run --release --example rpc-perf -- [--server | --client] [--endpoint URL]
 //!     [--op put|get|echo] [--sizes 0,64,4k,1m,16m] [--concurrency N] [--connections N]
-//!     [--duration SECS] [--warmup SECS] [--threads N] [--heap] [--json FILE] [--svg FILE]
+//!     [--duration SECS] [--warmup SECS] [--threads N] [--runtime multi|current] [--heap]
+//!     [--json FILE] [--svg FILE]
 //! ```
 //!
 //! - Both sides in one process by default (`--endpoint`, default `tcp://127.0.0.1:0`).
 //! - `--server`: serve on `--endpoint` (default `tcp://0.0.0.0:18515`) until killed.
 //! - `--client`: measure against a server at `--endpoint` (default `tcp://127.0.0.1:18515`).
+//! - `--threads N`: worker threads of tokio's multi-thread runtime (default 2);
+//!   `--runtime current` runs everything on one thread instead (tokio's current-thread
+//!   runtime: no cross-thread wake-ups and none of the multi-thread scheduler's bookkeeping,
+//!   like a thread-per-core service; `--threads` is then ignored).
 //! - `rdma://HOST:PORT?device=NAME` endpoints need `--features rdma` and a device; without
 //!   them the run stops with the transport's reason.
 //!
@@ -118,6 +123,8 @@ struct Opts {
     duration: Duration,
     warmup: Duration,
     threads: usize,
+    /// tokio's current-thread runtime instead of the multi-thread one
+    current: bool,
     json: Option<String>,
     svg: Option<String>,
     /// send from heap memory rather than from buffers the connection lends
@@ -126,7 +133,7 @@ struct Opts {
 
 const USAGE: &str = "rpc-perf [--server | --client] [--endpoint URL] [--op put|get|echo] \
 [--sizes 0,64,4k,1m,16m] [--concurrency N] [--connections N] [--duration SECS] \
-[--warmup SECS] [--threads N] [--heap] [--json FILE] [--svg FILE]";
+[--warmup SECS] [--threads N] [--runtime multi|current] [--heap] [--json FILE] [--svg FILE]";
 
 fn parse_size(s: &str) -> Result<usize, String> {
     let t = s.trim().to_ascii_lowercase();
@@ -157,6 +164,7 @@ fn parse_args<I: Iterator<Item = String>>(args: I) -> Result<Opts, String> {
         duration: Duration::from_secs(2),
         warmup: Duration::from_millis(200),
         threads: 2,
+        current: false,
         json: None,
         svg: None,
         heap: false,
@@ -215,6 +223,13 @@ fn parse_args<I: Iterator<Item = String>>(args: I) -> Result<Opts, String> {
             "--duration" => o.duration = secs(val(&mut args)?, "--duration")?,
             "--warmup" => o.warmup = secs(val(&mut args)?, "--warmup")?,
             "--threads" => o.threads = count(val(&mut args)?, "--threads")?,
+            "--runtime" => {
+                o.current = match val(&mut args)?.as_str() {
+                    "multi" => false,
+                    "current" => true,
+                    other => return Err(format!("--runtime: multi or current, not {other:?}")),
+                }
+            }
             "--json" => o.json = Some(val(&mut args)?),
             "--svg" => o.svg = Some(val(&mut args)?),
             "--heap" => o.heap = true,
@@ -762,11 +777,17 @@ fn main() {
             std::process::exit(2);
         }
     };
-    let rt = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(opts.threads)
-        .enable_all()
-        .build()
-        .expect("tokio runtime");
+    let rt = if opts.current {
+        tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+    } else {
+        tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(opts.threads)
+            .enable_all()
+            .build()
+    }
+    .expect("tokio runtime");
     if let Err(e) = rt.block_on(run(opts)) {
         eprintln!("rpc-perf: {e}");
         std::process::exit(1);

@@ -7,7 +7,11 @@
 //! verbs-pingpong --server --addr 10.99.0.1:19500 [--device rxe0] [--busy-poll-us 2000]
 //! verbs-pingpong --client --addr 10.99.0.1:19500 [--device rxe0] [--busy-poll-us 2000]
 //!                [--rounds 20000] [--size 32] [--event-interval 61]
+//! (both)         [--runtime multi|current]
 //! ```
+//!
+//! `--runtime current` runs on tokio's current-thread runtime, as `rpc-perf --runtime current`
+//! does; the default is a multi-thread runtime with one worker.
 //!
 //! The client prints `p50 <us> p99 <us> mean <us>` of the round trips after a warm-up.
 
@@ -23,6 +27,8 @@ struct Args {
     rounds: usize,
     size: usize,
     event_interval: Option<u32>,
+    /// tokio's current-thread runtime instead of a one-worker multi-thread one
+    current: bool,
 }
 
 fn parse() -> Result<Args, String> {
@@ -32,6 +38,7 @@ fn parse() -> Result<Args, String> {
     let mut rounds = 20_000;
     let mut size = 32;
     let mut event_interval = None;
+    let mut current = false;
     let mut it = std::env::args().skip(1);
     while let Some(a) = it.next() {
         let mut value = |name: &str| it.next().ok_or(format!("{name} needs a value"));
@@ -70,6 +77,13 @@ fn parse() -> Result<Args, String> {
                         .map_err(|e| format!("--event-interval: {e}"))?,
                 )
             }
+            "--runtime" => {
+                current = match value("--runtime")?.as_str() {
+                    "multi" => false,
+                    "current" => true,
+                    other => return Err(format!("--runtime: multi or current, not {other:?}")),
+                }
+            }
             other => return Err(format!("unknown argument {other:?}")),
         }
     }
@@ -80,6 +94,7 @@ fn parse() -> Result<Args, String> {
         rounds,
         size,
         event_interval,
+        current,
     })
 }
 
@@ -150,8 +165,13 @@ fn main() {
     // as rpc-perf runs: one worker thread, the work in a spawned task (a runtime's `block_on`
     // future is polled only between batches of `event_interval` tasks while others are ready,
     // as a spinning completion driver always is)
-    let mut rt = tokio::runtime::Builder::new_multi_thread();
-    rt.worker_threads(1);
+    let mut rt = if args.current {
+        tokio::runtime::Builder::new_current_thread()
+    } else {
+        let mut rt = tokio::runtime::Builder::new_multi_thread();
+        rt.worker_threads(1);
+        rt
+    };
     if let Some(n) = args.event_interval {
         rt.event_interval(n);
     }
