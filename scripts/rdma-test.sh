@@ -199,23 +199,27 @@ done
 
 # the transport's own figures: small-call round trip (busy-poll, the default adaptive spin before
 # arming, and completion events alone; like perftest, server and client in two processes, each
-# with one runtime thread), calls/s with 64 in flight, and put bandwidth at 1 MiB and 16 MiB
-# (these two with client and server in one process)
+# on one thread: tokio's current-thread runtime, and for comparison busy-poll once more on a
+# multi-thread runtime with one worker), calls/s with 64 in flight, and put bandwidth at 1 MiB
+# and 16 MiB (these two with client and server in one process, two worker threads)
 PERF_PORT=18600
-rpcperf() { # rpcperf DEV LABEL ENDPOINT-OPTIONS split|one ARGS...
+RUNTIME="--runtime current"
+# RUNTIME: the runtime of split runs (two words, split on purpose)
+# shellcheck disable=SC2086
+rpcperf() { # [RUNTIME=...] rpcperf DEV LABEL ENDPOINT-OPTIONS split|one ARGS...
   local d=$1 label=$2 eopts=$3 mode=$4; shift 4
   local log=logs/rpc-perf-$label-$d.log json=logs/rpc-perf-$label-$d.json rc srv=""
   if [ "$mode" = split ]; then
     PERF_PORT=$((PERF_PORT+1))
     local ep="rdma://${IP[$d]}:$PERF_PORT?device=$d$eopts" slog=logs/rpc-perf-$label-$d-server.log
-    ./perf/rpc-perf --server --threads 1 --endpoint "$ep" > "$slog" 2>&1 & srv=$!
+    ./perf/rpc-perf --server $RUNTIME --endpoint "$ep" > "$slog" 2>&1 & srv=$!
     # wait (bounded) until the server listens, or has died
     for _ in $(seq 300); do
       grep -q "serving on" "$slog" 2>/dev/null && break
       kill -0 "$srv" 2>/dev/null || break
       sleep 0.1
     done
-    timeout 180 ./perf/rpc-perf --client --threads 1 --endpoint "$ep" --json "$json" "$@" > "$log" 2>&1; rc=$?
+    timeout 180 ./perf/rpc-perf --client $RUNTIME --endpoint "$ep" --json "$json" "$@" > "$log" 2>&1; rc=$?
     kill "$srv" 2>/dev/null; wait "$srv" 2>/dev/null
   else
     timeout 180 ./perf/rpc-perf --endpoint "rdma://${IP[$d]}:0?device=$d$eopts" --json "$json" "$@" > "$log" 2>&1; rc=$?
@@ -239,23 +243,24 @@ if [ -x perf/rpc-perf ]; then
     rpcperf "$d" "small-call-busy-poll" "&busy_poll_us=2000" split --op echo --sizes 0 --concurrency 1 --duration 3 --warmup 1
     rpcperf "$d" "small-call-default" "" split --op echo --sizes 0 --concurrency 1 --duration 3 --warmup 1
     rpcperf "$d" "small-call-event-mode" "&busy_poll=0" split --op echo --sizes 0 --concurrency 1 --duration 3 --warmup 1
+    RUNTIME="--threads 1" rpcperf "$d" "small-call-busy-poll-multi-thread" "&busy_poll_us=2000" split --op echo --sizes 0 --concurrency 1 --duration 3 --warmup 1
     rpcperf "$d" "64-in-flight" "" one --op echo --sizes 64 --concurrency 64 --threads 2 --duration 3 --warmup 1
     # 4 in flight (perftest's ib_read_bw keeps up to 128 READs outstanding on rxe and siw), from
     # buffers the connection lends (rpc-perf's default; --heap copies each payload in), and a
     # window long enough for a dozen 16 MiB calls on rxe
     rpcperf "$d" "bandwidth" "" one --op put --sizes 1m,16m --concurrency 4 --threads 2 --duration 8 --warmup 2
     # the floor under the small call: the connection layer alone (no rpc-core, no framing),
-    # SEND/RECV ping-pong with the same busy-poll, two processes, one runtime thread each
+    # SEND/RECV ping-pong with the same busy-poll, two processes, a current-thread runtime each
     PERF_PORT=$((PERF_PORT+1))
     vlog=logs/verbs-pingpong-$d.log
-    ./perf/verbs-pingpong --server --addr "${IP[$d]}:$PERF_PORT" --device "$d" --busy-poll-us 2000 \
+    ./perf/verbs-pingpong --server --runtime current --addr "${IP[$d]}:$PERF_PORT" --device "$d" --busy-poll-us 2000 \
       > logs/verbs-pingpong-$d-server.log 2>&1 & vsrv=$!
     for _ in $(seq 300); do
       grep -q "serving on" logs/verbs-pingpong-$d-server.log 2>/dev/null && break
       kill -0 "$vsrv" 2>/dev/null || break
       sleep 0.1
     done
-    timeout 120 ./perf/verbs-pingpong --client --addr "${IP[$d]}:$PERF_PORT" --device "$d" --busy-poll-us 2000 \
+    timeout 120 ./perf/verbs-pingpong --client --runtime current --addr "${IP[$d]}:$PERF_PORT" --device "$d" --busy-poll-us 2000 \
       --rounds 20000 > "$vlog" 2>&1; rc=$?
     kill "$vsrv" 2>/dev/null; wait "$vsrv" 2>/dev/null
     vrow=$(grep -o 'p50 .*' "$vlog")
