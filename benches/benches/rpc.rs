@@ -9,6 +9,11 @@
 //! everything on a shared 2-core machine). Filter as usual: `cargo bench -p rdma-rpc-benches --bench rpc -- rdma-rpc`.
 //! With `--features rdma`, rdma-rpc also runs over `RDMA_RPC_BENCH_RDMA`
 //! (default `rdma://127.0.0.1:0`).
+//!
+//! After the curves it runs `compare` (this package's ratio table: every system in one run,
+//! medians of 3 rounds, each issue-4 target as a ratio with its verdict), so that one
+//! `cargo bench` prints the ratios; `RDMA_RPC_BENCH_COMPARE_ARGS` replaces its arguments
+//! (default `--secs 0.8 --rounds 3`), `RDMA_RPC_BENCH_COMPARE=0` skips it.
 #![allow(missing_docs)]
 
 use std::time::Duration;
@@ -117,4 +122,20 @@ fn main() {
     with_system(&mut c, &src, |s| Box::pin(Ruapc::start(s, false)));
     with_system(&mut c, &src, |s| Box::pin(Ruapc::start(s, true)));
     c.final_summary();
+    compare();
+}
+
+/// Runs the `compare` binary (built by cargo for this bench) and fails the bench if it fails.
+fn compare() {
+    if std::env::var("RDMA_RPC_BENCH_COMPARE").is_ok_and(|v| v == "0") {
+        return;
+    }
+    let args = std::env::var("RDMA_RPC_BENCH_COMPARE_ARGS")
+        .unwrap_or_else(|_| "--secs 0.8 --rounds 3".to_owned());
+    println!("\nThe ratios (compare {args}):");
+    let status = std::process::Command::new(env!("CARGO_BIN_EXE_compare"))
+        .args(args.split_whitespace())
+        .status()
+        .expect("run compare");
+    assert!(status.success(), "compare failed: {status}");
 }
