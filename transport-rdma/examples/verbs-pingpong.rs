@@ -162,9 +162,9 @@ fn main() {
             std::process::exit(2);
         }
     };
-    // as rpc-perf runs: one worker thread, the work in a spawned task (a runtime's `block_on`
-    // future is polled only between batches of `event_interval` tasks while others are ready,
-    // as a spinning completion driver always is)
+    // as rpc-perf runs with the same `--runtime`: one thread, the work in a spawned task (a
+    // runtime's `block_on` future is polled only between batches of `event_interval` tasks while
+    // others are ready, as a spinning completion driver always is)
     let mut rt = if args.current {
         tokio::runtime::Builder::new_current_thread()
     } else {
