@@ -724,18 +724,28 @@ async fn serve_connection<T: Transport, S: Service>(
     // again only once the flag says shutdown has started: a new `cancelled()` future every
     // turn registered with the token and unregistered again, and even a standing one takes
     // the token's lock on every poll (~350 instructions per turn, 3% of the server's work
-    // for a small call over RDMA).
+    // for a small call over RDMA). The flag is read inside the branch's future, not in a
+    // precondition: `select!` evaluates those once, so a connection idle when shutdown began
+    // was woken by the token, found the branch disabled, and noticed only at its next
+    // keep-alive tick (5 s later by default).
     let shutdown = conn.ctx.shutdown.clone();
     let shutdown = shutdown.cancelled();
     tokio::pin!(shutdown);
+    let started = conn.ctx.shutting_down.clone();
     let result: io::Result<()> = async {
         // (ready at once if shutdown has already started: the flag then says so)
         let _ = futures::poll!(&mut shutdown);
         loop {
-            let started = conn.ctx.shutting_down.load(Ordering::SeqCst);
+            let shutdown_began = std::future::poll_fn(|cx| {
+                if started.load(Ordering::SeqCst) {
+                    shutdown.as_mut().poll(cx)
+                } else {
+                    Poll::Pending
+                }
+            });
             let flow = tokio::select! {
                 biased;
-                () = &mut shutdown, if !conn.draining && started => {
+                () = shutdown_began, if !conn.draining => {
                     conn.check_shutdown().await?;
                     Flow::Continue
                 }
