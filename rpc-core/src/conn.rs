@@ -1,6 +1,8 @@
 //! Pieces shared by client and server connections: keep-alive and body encoding.
 
 use std::cell::RefCell;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
 use std::task::{ready, Context, Poll};
 use std::time::Duration;
 
@@ -26,6 +28,8 @@ pub(crate) struct KeepAlive {
     seen: u64,
     seen_at_last_tick: u64,
     silent: Duration,
+    /// frames received elsewhere (a transport's shortcut), counted as traffic too
+    also: Option<Arc<AtomicU64>>,
 }
 
 /// What a keep-alive tick asks for.
@@ -49,7 +53,14 @@ impl KeepAlive {
             seen: 0,
             seen_at_last_tick: 0,
             silent: Duration::ZERO,
+            also: None,
         }
+    }
+
+    /// Counts `frames` (received where this connection's task does not see them) as traffic
+    /// too, looked at on each tick.
+    pub(crate) fn count_also(&mut self, frames: Arc<AtomicU64>) {
+        self.also = Some(frames);
     }
 
     /// Records a received frame.
@@ -69,6 +80,10 @@ impl KeepAlive {
     }
 
     fn judge(&mut self) -> Tick {
+        if let Some(also) = &self.also {
+            // frames counted there since the last tick
+            self.seen = self.seen.wrapping_add(also.swap(0, Ordering::Relaxed));
+        }
         if self.seen != self.seen_at_last_tick {
             self.seen_at_last_tick = self.seen;
             self.silent = Duration::ZERO;

@@ -18,7 +18,9 @@
 //!   fails the calls in flight with `ConnectionClosed`.
 //! - Optionally, a transport that receives in a task of its own offers each received message
 //!   to a [`ResponseShortcut`] first, so that a client completes its calls there (see
-//!   [`Transport::response_shortcut`]).
+//!   [`Transport::response_shortcut`]). If it can also send from there without waiting
+//!   ([`Transport::direct_send`]), a server answers requests whose handler finishes at once
+//!   there too: run to completion, with no hand-off to the connection's task.
 
 use std::fmt;
 use std::future::Future;
@@ -65,6 +67,15 @@ pub trait Transport: Send + 'static {
         None
     }
 
+    /// A way to send a message at once from any task, without waiting (see [`DirectSend`]),
+    /// if the transport offers one. With it and a [`ResponseShortcut`], a server takes
+    /// requests in the shortcut, runs their handlers there and sends the answers of those that
+    /// finish on their first poll through it. Taken before [`Transport::split`]. The default
+    /// has none.
+    fn direct_send(&self) -> Option<Arc<dyn DirectSend>> {
+        None
+    }
+
     /// Completes the server side of an accepted connection (a TLS handshake, say). Servers
     /// call it in the connection's own task, bounded by `connect_timeout`, so a slow peer
     /// cannot hold up accepting others. The default does nothing.
@@ -78,6 +89,23 @@ pub trait Transport: Send + 'static {
 
 type Taker = Box<dyn Fn(Message) -> Option<Message> + Send + Sync>;
 
+/// Sends a message at once, from whatever task calls it, when that needs no waiting: the
+/// server's run-to-completion path answers through it from the task that received the request
+/// (see [`Transport::direct_send`]).
+///
+/// Messages sent through it may overtake messages given to the transport's writer and not yet
+/// written, so it carries only answers, which the client matches by id. It never blocks.
+pub trait DirectSend: Send + Sync + 'static {
+    /// Whether a message sent now would most likely go at once: looked at before a handler
+    /// runs, so that an answer rarely has to take the slow path after all (and under load,
+    /// when the writer packs answers together, the server leaves them to it).
+    fn ready(&self) -> bool;
+
+    /// Sends `msg` now, or gives it back if it cannot go without waiting (then the caller
+    /// sends it through the writer).
+    fn try_send(&self, msg: Message) -> Result<(), Message>;
+}
+
 /// A path by which a transport hands received responses to the client from where it receives
 /// them (the task that polled a completion queue, say) instead of through
 /// [`Transport::Reader`]: the caller is woken by that task, with no hand-off to the client's
@@ -87,10 +115,17 @@ type Taker = Box<dyn Fn(Message) -> Option<Message> + Send + Sync>;
 /// [`Transport::response_shortcut`] and [`offer`](Self::offer)s every message it receives,
 /// in order, before queueing it for the reader; a message given back goes to the reader as
 /// usual, one taken counts as read (its receive credit, if any, may go back at once). Until
-/// the client installs its taker (once its greeting is done), and on a server, every message
-/// is given back. The taker takes only responses and never blocks, so it may be called from
-/// any thread, and a response may overtake frames still queued for the reader, which the
-/// client handles independently of it.
+/// the client installs its taker (once its greeting is done), every message is given back.
+/// The client's taker takes only responses and never blocks, so it may be called from any
+/// thread, and a response may overtake frames still queued for the reader, which the client
+/// handles independently of it.
+///
+/// On a server whose transport also has a [`DirectSend`], the server installs a taker of its
+/// own once the greeting is done: it takes requests whose handler finishes on its first poll
+/// while the link is idle, and answers them through the [`DirectSend`] (run to completion);
+/// every other message, and every request it cannot take so, is given back. It then runs
+/// handlers' first polls in the transport's receiving task, which must therefore be a task
+/// of a tokio runtime (a handler that has to wait is spawned from there).
 #[derive(Clone, Default)]
 pub struct ResponseShortcut(Arc<OnceLock<Taker>>);
 

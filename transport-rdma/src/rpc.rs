@@ -42,8 +42,8 @@ use std::collections::VecDeque;
 use std::io;
 use std::net::SocketAddr;
 use std::pin::Pin;
-use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, OnceLock};
 use std::task::{Context, Poll};
 
 use bytes::BytesMut;
@@ -170,8 +170,11 @@ pub struct RdmaTransport {
     peer: String,
     push_up_to: u64,
     max_fallback_bytes: u64,
-    /// the client's way to take responses in the completion dispatch (see `Deliver`)
+    /// the client's way to take responses in the completion dispatch (see `Deliver`), and the
+    /// server's to take requests there
     shortcut: rpc_core::ResponseShortcut,
+    /// the server's way to answer from there
+    direct: Arc<Direct>,
 }
 
 enum State {
@@ -245,6 +248,7 @@ impl RdmaTransport {
             push_up_to: crate::DEFAULT_PUSH_UP_TO,
             max_fallback_bytes: crate::DEFAULT_MAX_FALLBACK_BYTES,
             shortcut: rpc_core::ResponseShortcut::new(),
+            direct: Arc::default(),
         }
     }
 
@@ -332,7 +336,9 @@ impl rpc_core::Transport for RdmaTransport {
             inbound_units,
             max_window: slots,
             queued: AtomicUsize::new(0),
+            batch: AtomicBool::new(false),
         });
+        let _ = self.direct.0.set(Arc::downgrade(&engine));
         let (msg_tx, msg_rx) = fmpsc::channel(64);
         // Unbounded, yet at most `slots` messages: a delivered message holds its slot's credit
         // until the reader takes it (see `Inbound`).
@@ -373,6 +379,10 @@ impl rpc_core::Transport for RdmaTransport {
         Some(self.shortcut.clone())
     }
 
+    fn direct_send(&self) -> Option<Arc<dyn rpc_core::DirectSend>> {
+        Some(self.direct.clone())
+    }
+
     fn payload_memory(&self) -> Option<Arc<dyn rpc_core::payload::PayloadMemory>> {
         match &self.state {
             State::Ready(c) => Some(Arc::new(c.payload_memory())),
@@ -393,8 +403,48 @@ impl rpc_core::Transport for RdmaTransport {
                     push_up_to: self.push_up_to,
                     max_fallback_bytes: self.max_fallback_bytes,
                     shortcut: self.shortcut,
+                    direct: self.direct,
                 })
             }
+        }
+    }
+}
+
+/// A server's way to answer from the completion dispatch ([`rpc_core::DirectSend`]): the
+/// connection's engine, once `split` has made it (weak: the reader and the writer own it).
+///
+/// A message goes only on an idle link (nothing queued for the send loop, no SEND in flight),
+/// as the writer's own posts do, and requests that came in a batch are left to the connection
+/// task: under load the writer and the send loop pack answers together, which costs less per
+/// message than a SEND each (taking the first request of each batch here cost 64-in-flight
+/// throughput ~8% on rxe in a guest A/B, 2026-12-01).
+#[derive(Default)]
+struct Direct(OnceLock<std::sync::Weak<Engine>>);
+
+impl Direct {
+    fn engine(&self) -> Option<Arc<Engine>> {
+        self.0.get().and_then(std::sync::Weak::upgrade)
+    }
+}
+
+impl rpc_core::DirectSend for Direct {
+    fn ready(&self) -> bool {
+        self.engine()
+            .is_some_and(|e| e.idle() && !e.batch.load(Ordering::Relaxed))
+    }
+
+    fn try_send(&self, msg: Message) -> Result<(), Message> {
+        let Some(engine) = self.engine() else {
+            return Err(msg);
+        };
+        if !engine.idle() || !engine.is_eager(&msg) {
+            return Err(msg);
+        }
+        match engine.post_direct(std::slice::from_ref(&msg), msg.wire_len()) {
+            Ok(true) => Ok(()),
+            // no credit or slot after all, or the connection is closed: through the writer,
+            // which waits, or reports the end
+            Ok(false) | Err(_) => Err(msg),
         }
     }
 }
@@ -755,6 +805,8 @@ struct Engine {
     /// messages handed to the send loop and not yet posted: while there are any, the writer
     /// posts nothing itself (they go first)
     queued: AtomicUsize,
+    /// the receive side is handing on a batch (set and read under its lock, in `on_packet`)
+    batch: AtomicBool,
     slot: usize,
     pool: PoolMonitor,
 }
@@ -879,6 +931,11 @@ impl Engine {
             }
             notified.await;
         }
+    }
+
+    /// Whether nothing waits for the send loop and no SEND is in flight.
+    fn idle(&self) -> bool {
+        self.queued.load(Ordering::Acquire) == 0 && self.conn.sends_idle()
     }
 
     /// Whether `msg` goes whole in one packet (then it may share one with others).
@@ -1393,11 +1450,15 @@ fn on_packet(engine: &Arc<Engine>, deliver: &Deliver, data: bytes::Bytes) -> Res
         Packet::EagerBatch(msgs) => {
             // the slot's credit rides on the batch's last message
             let last = msgs.len() - 1;
+            // a batch means the peer is busy: a server leaves its requests to the connection
+            // task, which answers them together (see `Direct`)
+            engine.batch.store(true, Ordering::Relaxed);
             for (i, msg) in msgs.into_iter().enumerate() {
                 if deliver.message(msg, i == last).is_err() && i == last {
                     engine.release();
                 }
             }
+            engine.batch.store(false, Ordering::Relaxed);
         }
         Packet::PullRts { id, head, segments } => {
             // the READs run in a task of their own: a long transfer holds up no other packet
@@ -1758,6 +1819,7 @@ impl rpc_core::Listener for RdmaRpcListener {
             push_up_to: self.push_up_to,
             max_fallback_bytes: self.max_fallback_bytes,
             shortcut: rpc_core::ResponseShortcut::new(),
+            direct: Arc::default(),
         })
     }
 }
