@@ -23,7 +23,7 @@ use tracing::Instrument;
 use crate::codec::Codec;
 use crate::conn::{encode_body, KeepAlive, Tick};
 use crate::payload::{with_attachments, PayloadMemory, PayloadMut};
-use crate::transport::{ResponseShortcut, Transport};
+use crate::transport::{DirectSend, ResponseShortcut, Transport};
 use crate::wire::{Header, Kind, Message};
 use crate::{Config, RpcError, ServerError, ServerErrorKind};
 
@@ -49,6 +49,9 @@ struct State {
     /// The transport's writer, shared by the writer task and the caller of a lone call, who
     /// writes its own frame (see [`Table::writing`]).
     sink: Box<dyn FrameSink>,
+    /// The transport's direct sender, if it has one: the caller of a lone call posts its frame
+    /// through it when the link is idle, past the writer's machinery (see [`write_own`]).
+    direct: Option<Arc<dyn DirectSend>>,
 }
 
 /// The calls in flight and the frames waiting for the writer.
@@ -272,6 +275,21 @@ impl fmt::Debug for Client {
     }
 }
 
+/// The transport's ways past its reader and writer, taken before it is split.
+struct Paths {
+    shortcut: Option<ResponseShortcut>,
+    direct: Option<Arc<dyn DirectSend>>,
+}
+
+impl Paths {
+    fn of<T: Transport>(transport: &T) -> Paths {
+        Paths {
+            shortcut: transport.response_shortcut(),
+            direct: transport.direct_send(),
+        }
+    }
+}
+
 impl Client {
     /// Starts the protocol over an established connection: spawns its reader and writer
     /// tasks on the current tokio runtime.
@@ -282,9 +300,9 @@ impl Client {
         let peer = transport.peer();
         let coalesce = transport.coalesce_writes();
         let memory = transport.payload_memory();
-        let shortcut = transport.response_shortcut();
+        let paths = Paths::of(&transport);
         let (reader, writer) = transport.split();
-        Client::start(reader, writer, peer, config, coalesce, memory, shortcut)
+        Client::start(reader, writer, peer, config, coalesce, memory, paths)
     }
 
     /// Greets the server (presenting [`Config::auth_token`] if set), waits for its answer
@@ -296,7 +314,7 @@ impl Client {
         let peer = transport.peer();
         let coalesce = transport.coalesce_writes();
         let memory = transport.payload_memory();
-        let shortcut = transport.response_shortcut();
+        let paths = Paths::of(&transport);
         let (mut reader, mut writer) = transport.split();
         let token = config
             .auth_token
@@ -336,7 +354,7 @@ impl Client {
             })??;
         match answer {
             Some(m) if m.header.kind == Kind::Hello => Ok(Client::start(
-                reader, writer, peer, config, coalesce, memory, shortcut,
+                reader, writer, peer, config, coalesce, memory, paths,
             )),
             Some(m) if m.header.kind == Kind::Response && m.header.aux != 0 => {
                 Err(RpcError::Server(ServerError::new(
@@ -359,7 +377,7 @@ impl Client {
         config: Config,
         coalesce: bool,
         memory: Option<Arc<dyn PayloadMemory>>,
-        shortcut: Option<ResponseShortcut>,
+        paths: Paths,
     ) -> Client
     where
         R: Stream<Item = io::Result<Message>> + Send + Unpin + 'static,
@@ -375,8 +393,9 @@ impl Client {
             shut: AtomicBool::new(false),
             going_away: AtomicBool::new(false),
             reader: AtomicWaker::new(),
+            direct: paths.direct,
         });
-        if let Some(shortcut) = shortcut {
+        if let Some(shortcut) = paths.shortcut {
             let installed = shortcut.install(Box::new(take_response(
                 Arc::downgrade(&state.table),
                 Arc::clone(&state.shortcut_answers),
@@ -724,9 +743,18 @@ fn decode_reply<C: Codec, R: DeserializeOwned>(reply: Message) -> Result<R, RpcE
 }
 
 /// A lone call's caller writes its own frame `msg` (it holds the sink, see
-/// [`Table::claim_sink`]); what the sink cannot take or flush at once is left to the writer
-/// task. Returns the writer's waker if it must be woken.
+/// [`Table::claim_sink`]): through the transport's direct sender if the link is idle, else
+/// through the sink; what the sink cannot take or flush at once is left to the writer task.
+/// Returns the writer's waker if it must be woken.
 fn write_own(state: &State, cx: &mut Context<'_>, msg: Message) -> Option<Waker> {
+    // The writer is ours and holds nothing, so a frame that goes directly overtakes nothing.
+    let msg = match &state.direct {
+        Some(direct) if direct.ready() => match direct.try_send(msg) {
+            Ok(()) => return state.lock().release_sink(false),
+            Err(msg) => msg,
+        },
+        _ => msg,
+    };
     let (unsent, flushed) = match state.sink.feed(cx, msg) {
         Ok(None) => (None, state.sink.poll_flush(cx)),
         Ok(Some(msg)) => (Some(msg), Poll::Pending),

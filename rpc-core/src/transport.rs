@@ -70,8 +70,8 @@ pub trait Transport: Send + 'static {
     /// A way to send a message at once from any task, without waiting (see [`DirectSend`]),
     /// if the transport offers one. With it and a [`ResponseShortcut`], a server takes
     /// requests in the shortcut, runs their handlers there and sends the answers of those that
-    /// finish on their first poll through it. Taken before [`Transport::split`]. The default
-    /// has none.
+    /// finish on their first poll through it; a client sends a lone call's request through it
+    /// on an idle link. Taken before [`Transport::split`]. The default has none.
     fn direct_send(&self) -> Option<Arc<dyn DirectSend>> {
         None
     }
@@ -93,12 +93,14 @@ type Taker = Box<dyn Fn(Message) -> Option<Message> + Send + Sync>;
 /// server's run-to-completion path answers through it from the task that received the request
 /// (see [`Transport::direct_send`]).
 ///
-/// Messages sent through it may overtake messages given to the transport's writer and not yet
-/// written, so it carries only answers, which the client matches by id. It never blocks.
+/// Messages sent through it may overtake messages fed to the transport's writer and not yet
+/// flushed, so it is used only where that cannot matter or cannot happen: by a server for its
+/// answers (which the client matches by id), and by a client only while it holds the writer,
+/// idle, for a lone call's request. It never blocks.
 pub trait DirectSend: Send + Sync + 'static {
-    /// Whether a message sent now would most likely go at once: looked at before a handler
-    /// runs, so that an answer rarely has to take the slow path after all (and under load,
-    /// when the writer packs answers together, the server leaves them to it).
+    /// Whether a message sent now would most likely go at once: a server looks before it runs
+    /// a handler, so that an answer rarely has to take the slow path after all (and under
+    /// load, when the writer packs answers together, it leaves them to the writer).
     fn ready(&self) -> bool;
 
     /// Sends `msg` now, or gives it back if it cannot go without waiting (then the caller

@@ -173,7 +173,7 @@ pub struct RdmaTransport {
     /// the client's way to take responses in the completion dispatch (see `Deliver`), and the
     /// server's to take requests there
     shortcut: rpc_core::ResponseShortcut,
-    /// the server's way to answer from there
+    /// the way to post from any task (the server's answers from there, a lone call's request)
     direct: Arc<Direct>,
 }
 
@@ -410,7 +410,8 @@ impl rpc_core::Transport for RdmaTransport {
     }
 }
 
-/// A server's way to answer from the completion dispatch ([`rpc_core::DirectSend`]): the
+/// The connection's way to post a message from any task ([`rpc_core::DirectSend`]): a server
+/// answers from the completion dispatch through it, a client posts a lone call's request. The
 /// connection's engine, once `split` has made it (weak: the reader and the writer own it).
 ///
 /// A message goes only on an idle link (nothing queued for the send loop, no SEND in flight),

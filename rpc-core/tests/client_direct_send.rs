@@ -1,0 +1,201 @@
+//! A client on a transport with a direct sender: the caller of a lone call posts its request
+//! through it when the link is idle, past the writer; a busy link, a refused post, or other
+//! calls in flight leave the request to the writer as before. Answers still come through the
+//! reader either way.
+//!
+//! The transport is an in-process fake: the writer and the direct sender each put what they
+//! are given on a channel of their own, and the test plays the server.
+
+use std::io;
+use std::pin::Pin;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::task::{Context, Poll};
+
+use futures::{Sink, Stream};
+use rpc_core::wire::{Header, Kind, Message};
+use rpc_core::{Bincode, Client, Config, DirectSend, Transport};
+use tokio::sync::mpsc;
+
+struct FakeDirect {
+    ready: AtomicBool,
+    accept: AtomicBool,
+    sent: mpsc::UnboundedSender<Message>,
+}
+
+impl DirectSend for FakeDirect {
+    fn ready(&self) -> bool {
+        self.ready.load(Ordering::SeqCst)
+    }
+    fn try_send(&self, msg: Message) -> Result<(), Message> {
+        if !self.accept.load(Ordering::SeqCst) {
+            return Err(msg);
+        }
+        self.sent.send(msg).map_err(|e| e.0)
+    }
+}
+
+/// The client's end of the in-process fake.
+struct Fake {
+    written: mpsc::UnboundedSender<Message>,
+    incoming: mpsc::UnboundedReceiver<Message>,
+    direct: Arc<FakeDirect>,
+}
+
+struct FakeReader(mpsc::UnboundedReceiver<Message>);
+struct FakeWriter(mpsc::UnboundedSender<Message>);
+
+impl Transport for Fake {
+    type Reader = FakeReader;
+    type Writer = FakeWriter;
+    fn split(self) -> (FakeReader, FakeWriter) {
+        (FakeReader(self.incoming), FakeWriter(self.written))
+    }
+    fn peer(&self) -> String {
+        "fake".into()
+    }
+    fn direct_send(&self) -> Option<Arc<dyn DirectSend>> {
+        Some(self.direct.clone())
+    }
+}
+
+impl Stream for FakeReader {
+    type Item = io::Result<Message>;
+    fn poll_next(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Self::Item>> {
+        self.0.poll_recv(cx).map(|m| m.map(Ok))
+    }
+}
+
+impl Sink<Message> for FakeWriter {
+    type Error = io::Error;
+    fn poll_ready(self: Pin<&mut Self>, _cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Poll::Ready(Ok(()))
+    }
+    fn start_send(self: Pin<&mut Self>, msg: Message) -> io::Result<()> {
+        self.0
+            .send(msg)
+            .map_err(|_| io::Error::new(io::ErrorKind::BrokenPipe, "test gone"))
+    }
+    fn poll_flush(self: Pin<&mut Self>, _cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Poll::Ready(Ok(()))
+    }
+    fn poll_close(self: Pin<&mut Self>, _cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Poll::Ready(Ok(()))
+    }
+}
+
+/// The test's end: the server's side of the fake.
+struct Server {
+    written: mpsc::UnboundedReceiver<Message>,
+    direct_sent: mpsc::UnboundedReceiver<Message>,
+    reply: mpsc::UnboundedSender<Message>,
+    direct: Arc<FakeDirect>,
+}
+
+impl Server {
+    /// Answers `req` (an echo of its body) through the client's reader.
+    fn answer(&self, req: &Message) {
+        let mut header = Header::new(Kind::Response, req.header.id);
+        header.method = req.header.method;
+        self.reply
+            .send(Message {
+                header,
+                body: req.body.clone(),
+                attachments: Vec::new(),
+            })
+            .unwrap();
+    }
+}
+
+fn connect() -> (Client, Server) {
+    let (written_tx, written) = mpsc::unbounded_channel();
+    let (direct_tx, direct_sent) = mpsc::unbounded_channel();
+    let (reply, incoming) = mpsc::unbounded_channel();
+    let direct = Arc::new(FakeDirect {
+        ready: AtomicBool::new(true),
+        accept: AtomicBool::new(true),
+        sent: direct_tx,
+    });
+    let client = Client::new(
+        Fake {
+            written: written_tx,
+            incoming,
+            direct: direct.clone(),
+        },
+        Config::default(),
+    );
+    (
+        client,
+        Server {
+            written,
+            direct_sent,
+            reply,
+            direct,
+        },
+    )
+}
+
+/// The next message on `rx`; fails the test (rather than hang) if none comes.
+async fn next(rx: &mut mpsc::UnboundedReceiver<Message>) -> Message {
+    tokio::time::timeout(std::time::Duration::from_secs(10), rx.recv())
+        .await
+        .expect("a message on this path")
+        .expect("channel open")
+}
+
+fn call(
+    client: &Client,
+    n: u64,
+) -> impl std::future::Future<Output = Result<u64, rpc_core::RpcError>> {
+    client.call::<Bincode, u64, u64>(1, "echo", &n)
+}
+
+#[tokio::test(flavor = "current_thread")]
+async fn a_lone_call_on_an_idle_link_goes_directly() {
+    let (client, mut server) = connect();
+    for n in 0..10u64 {
+        let pending = tokio::spawn(call(&client, n));
+        let req = next(&mut server.direct_sent).await;
+        assert_eq!(req.header.kind, Kind::Request);
+        server.answer(&req);
+        assert_eq!(pending.await.unwrap().unwrap(), n);
+    }
+    assert!(
+        server.written.try_recv().is_err(),
+        "nothing went through the writer"
+    );
+}
+
+#[tokio::test(flavor = "current_thread")]
+async fn a_busy_link_or_a_refused_post_leaves_the_request_to_the_writer() {
+    let (client, mut server) = connect();
+    server.direct.ready.store(false, Ordering::SeqCst);
+    let pending = tokio::spawn(call(&client, 1));
+    let req = next(&mut server.written).await;
+    server.answer(&req);
+    assert_eq!(pending.await.unwrap().unwrap(), 1);
+
+    server.direct.ready.store(true, Ordering::SeqCst);
+    server.direct.accept.store(false, Ordering::SeqCst);
+    let pending = tokio::spawn(call(&client, 2));
+    let req = next(&mut server.written).await;
+    server.answer(&req);
+    assert_eq!(pending.await.unwrap().unwrap(), 2);
+    assert!(server.direct_sent.try_recv().is_err());
+}
+
+#[tokio::test(flavor = "current_thread")]
+async fn with_another_call_in_flight_the_request_goes_to_the_writer() {
+    let (client, mut server) = connect();
+    // spawned in this order on one thread: the first is alone when it sends, the second not
+    let first = tokio::spawn(call(&client, 1));
+    let second = tokio::spawn(call(&client, 2));
+    let direct = next(&mut server.direct_sent).await;
+    let written = next(&mut server.written).await;
+    server.answer(&written);
+    server.answer(&direct);
+    assert_eq!(first.await.unwrap().unwrap(), 1);
+    assert_eq!(second.await.unwrap().unwrap(), 2);
+    assert!(server.direct_sent.try_recv().is_err());
+    assert!(server.written.try_recv().is_err());
+}
