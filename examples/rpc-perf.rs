@@ -3,7 +3,7 @@
 //!
 //! ```text
 //! cargo run --release --example rpc-perf -- [--server | --client] [--endpoint URL]
-//!     [--op put|get|echo] [--sizes 0,64,4k,1m,16m] [--concurrency N] [--connections N]
+//!     [--op put|get|echo|ping] [--sizes 0,64,4k,1m,16m] [--concurrency N] [--connections N]
 //!     [--duration SECS] [--warmup SECS] [--threads N] [--runtime multi|current] [--heap]
 //!     [--json FILE] [--svg FILE]
 //! ```
@@ -21,7 +21,8 @@
 //! For each size, `--concurrency` tasks (spread over `--connections` connections) call in a
 //! closed loop for `--duration` seconds after `--warmup`; every call's round trip goes into a
 //! histogram. `put` sends the payload and gets its length back, `get` asks for it and
-//! receives it, `echo` does both (its GB/s counts both directions). The client sends from a
+//! receives it, `echo` does both (its GB/s counts both directions); `ping` sends a `u64` and
+//! gets it back, a small call with no payload at all (`--sizes` only labels it). The client sends from a
 //! buffer its connection lends (`Client::payload_mut`: over RDMA a registered buffer, which the
 //! server reads without a copy on our side); `--heap` sends from heap memory instead, which
 //! the RDMA transport copies into registered memory for each call.
@@ -46,6 +47,8 @@ pub trait Perf {
     async fn get(&self, len: u64) -> Payload;
     /// What came.
     async fn echo(&self, data: Payload) -> Payload;
+    /// `x`: a small call with no payload.
+    async fn ping(&self, x: u64) -> u64;
 }
 
 #[derive(Default)]
@@ -70,6 +73,10 @@ impl Perf for PerfImpl {
     async fn echo(&self, data: Payload) -> Payload {
         data
     }
+
+    async fn ping(&self, x: u64) -> u64 {
+        x
+    }
 }
 
 fn pattern(len: usize) -> Vec<u8> {
@@ -93,6 +100,7 @@ enum Op {
     Put,
     Get,
     Echo,
+    Ping,
 }
 
 impl Op {
@@ -101,6 +109,7 @@ impl Op {
             Op::Put => "put",
             Op::Get => "get",
             Op::Echo => "echo",
+            Op::Ping => "ping",
         }
     }
 
@@ -108,6 +117,7 @@ impl Op {
     fn bytes(self, size: usize) -> u64 {
         match self {
             Op::Echo => 2 * size as u64,
+            Op::Ping => 0,
             _ => size as u64,
         }
     }
@@ -131,7 +141,7 @@ struct Opts {
     heap: bool,
 }
 
-const USAGE: &str = "rpc-perf [--server | --client] [--endpoint URL] [--op put|get|echo] \
+const USAGE: &str = "rpc-perf [--server | --client] [--endpoint URL] [--op put|get|echo|ping] \
 [--sizes 0,64,4k,1m,16m] [--concurrency N] [--connections N] [--duration SECS] \
 [--warmup SECS] [--threads N] [--runtime multi|current] [--heap] [--json FILE] [--svg FILE]";
 
@@ -205,7 +215,8 @@ fn parse_args<I: Iterator<Item = String>>(args: I) -> Result<Opts, String> {
                     "put" => Op::Put,
                     "get" => Op::Get,
                     "echo" => Op::Echo,
-                    other => return Err(format!("--op: put, get or echo, not {other:?}")),
+                    "ping" => Op::Ping,
+                    other => return Err(format!("--op: put, get, echo or ping, not {other:?}")),
                 }
             }
             "--sizes" => {
@@ -269,6 +280,13 @@ async fn one_call(client: &PerfClient, op: Op, src: &Payload, size: usize) -> Re
         Op::Put => client.put(src.slice(..size)).await? as usize,
         Op::Get => client.get(size as u64).await?.len(),
         Op::Echo => client.echo(src.slice(..size)).await?.len(),
+        Op::Ping => {
+            let x = size as u64 ^ 0x5eed;
+            if client.ping(x).await? != x {
+                return Err(RpcError::Unavailable("ping came back changed".into()));
+            }
+            size
+        }
     };
     if got != size {
         return Err(RpcError::Unavailable(format!(

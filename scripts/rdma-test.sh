@@ -241,6 +241,9 @@ if [ -x perf/rpc-perf ]; then
   for d in "${DEVS[@]}"; do
     echo "=================== rpc-perf on $d"
     rpcperf "$d" "small-call-busy-poll" "&busy_poll_us=2000" split --op echo --sizes 0 --concurrency 1 --duration 3 --warmup 1
+    # the smallest call there is: a u64 each way, no payload (the line above echoes an empty
+    # payload, which takes the attachment path on both sides)
+    rpcperf "$d" "small-call-ping-busy-poll" "&busy_poll_us=2000" split --op ping --sizes 0 --concurrency 1 --duration 3 --warmup 1
     rpcperf "$d" "small-call-default" "" split --op echo --sizes 0 --concurrency 1 --duration 3 --warmup 1
     rpcperf "$d" "small-call-event-mode" "&busy_poll=0" split --op echo --sizes 0 --concurrency 1 --duration 3 --warmup 1
     RUNTIME="--threads 1" rpcperf "$d" "small-call-busy-poll-multi-thread" "&busy_poll_us=2000" split --op echo --sizes 0 --concurrency 1 --duration 3 --warmup 1
