@@ -391,7 +391,6 @@ struct Conn<S, W, H, F> {
     inline: Pin<Box<Option<F>>>,
     ctx: Ctx,
     writer: W,
-    outbox: Outbox,
     /// Answers of handlers that ran in their own task, waiting to be written.
     answers: mpsc::UnboundedReceiver<Message>,
     /// Whether a handler has ever run in its own task here: until one has, `answers` stays
@@ -399,8 +398,8 @@ struct Conn<S, W, H, F> {
     /// its waker registration, cost ~650 instructions per turn: callgrind, small calls over
     /// RDMA, 2026-12-01).
     spawned: bool,
-    calls: Calls,
-    handlers: TaskTracker,
+    /// Handlers that run in tasks of their own.
+    running: Handlers,
     draining: bool,
     /// The connection's memory for payloads it sends without a copy, lent to its handlers.
     memory: Option<Arc<dyn PayloadMemory>>,
@@ -432,7 +431,7 @@ where
             if let Some(fast) = &self.fast {
                 fast.close();
             }
-            self.handlers.close();
+            self.running.tracker.close();
             self.send(Message::control(Kind::GoAway, 0)).await?;
         }
         Ok(())
@@ -448,7 +447,7 @@ where
                 Step::Slow(msg) => return Box::pin(self.on_request(msg)).await,
             },
             Kind::Cancel => {
-                if let Some(h) = self.calls.lock().expect("calls lock").remove(&id) {
+                if let Some(h) = self.running.calls.lock().expect("calls lock").remove(&id) {
                     tracing::debug!(id, "call cancelled by the client");
                     h.abort();
                 }
@@ -476,8 +475,7 @@ where
         let Some(name) = self.service.method_name(method) else {
             return Step::Slow(msg);
         };
-        // Only handlers in their own task are in `calls`; with none, there is no lock to take.
-        if !self.handlers.is_empty() && self.calls.lock().expect("calls lock").contains_key(&id) {
+        if self.running.has(id) {
             return Step::Slow(msg);
         }
         if !self.ctx.handler_slots.try_take() {
@@ -517,7 +515,13 @@ where
                 .await?;
             return Ok(Flow::Continue);
         };
-        if self.calls.lock().expect("calls lock").contains_key(&id) {
+        if self
+            .running
+            .calls
+            .lock()
+            .expect("calls lock")
+            .contains_key(&id)
+        {
             tracing::warn!(id, "duplicate request id from client");
             let text = "a call with this request id is already running";
             self.refuse(id, ServerErrorKind::BadRequest, text).await?;
@@ -543,10 +547,8 @@ where
         Ok(Flow::Continue)
     }
 
-    /// Runs request `msg`'s handler, holding a handler slot already taken: its first poll
-    /// here, so that a handler that needs no I/O answers without a task or a wake-up (the
-    /// answer is returned and the slot given back); one that has to wait goes on in its own
-    /// task with the slot, and this returns `None`.
+    /// Runs request `msg`'s handler, holding a handler slot already taken (see
+    /// [`first_poll`]); `None` if it went on in a task of its own.
     fn run(
         &mut self,
         id: u64,
@@ -556,30 +558,17 @@ where
         deadline: Option<Instant>,
     ) -> Option<Message> {
         let request = Request::new(msg.body, msg.attachments);
-        self.inline.set(Some((self.make)(
-            self.service.clone(),
-            method,
-            request,
-            self.memory.clone(),
-        )));
-        let first = {
-            let mut cx = Context::from_waker(Waker::noop());
-            let work = self.inline.as_mut().as_pin_mut().expect("just set");
-            std::panic::catch_unwind(AssertUnwindSafe(|| work.poll(&mut cx)))
-        };
-        let outcome: Outcome = match first {
-            Ok(Poll::Ready(r)) => Ok(r),
-            Err(panic) => Err(panic),
-            Ok(Poll::Pending) => {
-                let work = Inline(std::mem::replace(&mut self.inline, Box::pin(None)));
-                let slot = Slot(self.ctx.handler_slots.clone());
-                self.spawn_call(work, name, deadline, id, slot);
-                return None;
-            }
-        };
-        self.inline.set(None);
-        self.ctx.handler_slots.give();
-        Some(reply_message(id, name, outcome))
+        let work = (self.make)(self.service.clone(), method, request, self.memory.clone());
+        let call = Call { id, name, deadline };
+        let answer = first_poll(
+            &mut self.inline,
+            work,
+            &self.ctx.handler_slots,
+            &self.running,
+            call,
+        );
+        self.spawned |= answer.is_none();
+        answer
     }
 
     /// Waits for a handler slot and takes it. While waiting, answers of this connection's
@@ -604,24 +593,6 @@ where
         }
     }
 
-    fn spawn_call(
-        &mut self,
-        work: Inline<F>,
-        name: &'static str,
-        deadline: Option<Instant>,
-        id: u64,
-        slot: Slot,
-    ) {
-        self.spawned = true;
-        let to = Handlers {
-            calls: &self.calls,
-            outbox: &self.outbox,
-            stats: &self.ctx.stats,
-            tracker: &self.handlers,
-        };
-        to.spawn(work, name, deadline, id, slot);
-    }
-
     async fn flush(&mut self) -> io::Result<()> {
         // Usually the socket takes everything at once: then no timer is needed. (A pending
         // flush registered a no-op waker; the poll below registers the task's.)
@@ -639,26 +610,29 @@ where
     }
 }
 
-/// Where a handler that has to wait goes: its own task, tracked with the connection's others,
-/// cancellable through `calls`, answering through `outbox`.
-struct Handlers<'a> {
-    calls: &'a Calls,
-    outbox: &'a Outbox,
-    stats: &'a Arc<ServerStats>,
-    tracker: &'a TaskTracker,
+/// Where a handler that has to wait goes: its own task, tracked with the connection's others
+/// (`tracker`), cancellable through `calls`, answering through `outbox`. The connection task
+/// and its run-to-completion path share one (cloned).
+#[derive(Clone)]
+struct Handlers {
+    calls: Calls,
+    outbox: Outbox,
+    stats: Arc<ServerStats>,
+    tracker: TaskTracker,
 }
 
-impl Handlers<'_> {
-    fn spawn<F>(
-        &self,
-        work: Inline<F>,
-        name: &'static str,
-        deadline: Option<Instant>,
-        id: u64,
-        slot: Slot,
-    ) where
+impl Handlers {
+    /// Whether call `id` has a handler running in a task of its own (a duplicate request id).
+    /// Only those are in `calls`; with none running there is no lock to take.
+    fn has(&self, id: u64) -> bool {
+        !self.tracker.is_empty() && self.calls.lock().expect("calls lock").contains_key(&id)
+    }
+
+    fn spawn<F>(&self, work: Inline<F>, call: Call, slot: Slot)
+    where
         F: Future<Output = Result<Reply, ServerError>> + Send + 'static,
     {
+        let Call { id, name, deadline } = call;
         let task = run_call(
             work,
             name,
@@ -678,6 +652,47 @@ impl Handlers<'_> {
     }
 }
 
+/// A request being run: its id, its method's name and its caller's deadline.
+struct Call {
+    id: u64,
+    name: &'static str,
+    deadline: Option<Instant>,
+}
+
+/// Runs a handler's first poll in the reusable box `inline`, holding a handler slot already
+/// taken from `slots`, so that a handler that needs no I/O answers without a task or a
+/// wake-up: its answer is returned and the slot given back. One that has to wait takes the
+/// box with it into a task of its own (`to`), keeping the slot, and this returns `None`.
+fn first_poll<F>(
+    inline: &mut Pin<Box<Option<F>>>,
+    work: F,
+    slots: &Arc<Slots>,
+    to: &Handlers,
+    call: Call,
+) -> Option<Message>
+where
+    F: Future<Output = Result<Reply, ServerError>> + Send + 'static,
+{
+    inline.set(Some(work));
+    let first = {
+        let mut cx = Context::from_waker(Waker::noop());
+        let work = inline.as_mut().as_pin_mut().expect("just set");
+        std::panic::catch_unwind(AssertUnwindSafe(|| work.poll(&mut cx)))
+    };
+    let outcome: Outcome = match first {
+        Ok(Poll::Ready(r)) => Ok(r),
+        Err(panic) => Err(panic),
+        Ok(Poll::Pending) => {
+            let work = Inline(std::mem::replace(inline, Box::pin(None)));
+            to.spawn(work, call, Slot(slots.clone()));
+            return None;
+        }
+    };
+    inline.set(None);
+    slots.give();
+    Some(reply_message(call.id, call.name, outcome))
+}
+
 /// A connection's run-to-completion path, on transports that receive in a task of their own
 /// and can send from there ([`Transport::direct_send`]): the transport offers it each request
 /// where it finds it (RDMA: the task that polled the completion queue), and when the link is
@@ -693,9 +708,7 @@ struct FastPath<S, H, F> {
     service: Arc<S>,
     make: H,
     ctx: Ctx,
-    calls: Calls,
-    outbox: Outbox,
-    handlers: TaskTracker,
+    running: Handlers,
     memory: Option<Arc<dyn PayloadMemory>>,
     sender: Arc<dyn DirectSend>,
     /// requests taken here (the connection's keep-alive counts them as traffic)
@@ -735,8 +748,7 @@ where
         let Some(name) = self.service.method_name(method) else {
             return Some(msg);
         };
-        // only handlers in their own task are in `calls`
-        if !self.handlers.is_empty() && self.calls.lock().expect("calls lock").contains_key(&id) {
+        if self.running.has(id) {
             return Some(msg);
         }
         if !self.ctx.handler_slots.try_take() {
@@ -746,38 +758,18 @@ where
         let deadline = deadline_of(&msg.header);
         let _entered = self.span.enter();
         let request = Request::new(msg.body, msg.attachments);
-        gate.inline.set(Some((self.make)(
-            self.service.clone(),
-            method,
-            request,
-            self.memory.clone(),
-        )));
-        let first = {
-            let mut cx = Context::from_waker(Waker::noop());
-            let work = gate.inline.as_mut().as_pin_mut().expect("just set");
-            std::panic::catch_unwind(AssertUnwindSafe(|| work.poll(&mut cx)))
-        };
-        let outcome: Outcome = match first {
-            Ok(Poll::Ready(r)) => Ok(r),
-            Err(panic) => Err(panic),
-            Ok(Poll::Pending) => {
-                let work = Inline(std::mem::replace(&mut gate.inline, Box::pin(None)));
-                let slot = Slot(self.ctx.handler_slots.clone());
-                let to = Handlers {
-                    calls: &self.calls,
-                    outbox: &self.outbox,
-                    stats: &self.ctx.stats,
-                    tracker: &self.handlers,
-                };
-                to.spawn(work, name, deadline, id, slot);
-                return None;
-            }
-        };
-        gate.inline.set(None);
-        self.ctx.handler_slots.give();
-        if let Err(answer) = self.sender.try_send(reply_message(id, name, outcome)) {
+        let work = (self.make)(self.service.clone(), method, request, self.memory.clone());
+        let call = Call { id, name, deadline };
+        let answer = first_poll(
+            &mut gate.inline,
+            work,
+            &self.ctx.handler_slots,
+            &self.running,
+            call,
+        )?;
+        if let Err(answer) = self.sender.try_send(answer) {
             // the link got busy meanwhile: through the connection task's writer
-            let _ = self.outbox.send(answer);
+            let _ = self.running.outbox.send(answer);
         }
         None
     }
@@ -860,17 +852,21 @@ async fn serve_connection<T: Transport, S: Service>(
             return;
         }
     }
+    let running = Handlers {
+        calls: Arc::default(),
+        outbox,
+        stats: ctx.stats.clone(),
+        tracker: TaskTracker::new(),
+    };
     let mut conn = Conn {
         service,
         make: handler_future::<S>,
         inline: Box::pin(None),
         ctx,
         writer,
-        outbox,
         answers,
         spawned: false,
-        calls: Arc::default(),
-        handlers: TaskTracker::new(),
+        running,
         draining: false,
         memory,
         fast: None,
@@ -882,9 +878,7 @@ async fn serve_connection<T: Transport, S: Service>(
             service: conn.service.clone(),
             make: conn.make,
             ctx: conn.ctx.clone(),
-            calls: conn.calls.clone(),
-            outbox: conn.outbox.clone(),
-            handlers: conn.handlers.clone(),
+            running: conn.running.clone(),
             memory: conn.memory.clone(),
             sender,
             taken,
@@ -934,7 +928,7 @@ async fn serve_connection<T: Transport, S: Service>(
                     conn.check_shutdown().await?;
                     Flow::Continue
                 }
-                _ = conn.handlers.wait(), if conn.draining => {
+                _ = conn.running.tracker.wait(), if conn.draining => {
                     // Every handler has queued its answer before its task ended.
                     while let Ok(answer) = conn.answers.try_recv() {
                         conn.send(answer).await?;
@@ -1040,6 +1034,7 @@ async fn serve_connection<T: Transport, S: Service>(
     }
     // The peer is gone or we are done: stop whatever still runs for it.
     let left: Vec<AbortHandle> = conn
+        .running
         .calls
         .lock()
         .expect("calls lock")
@@ -1052,8 +1047,8 @@ async fn serve_connection<T: Transport, S: Service>(
     for h in left {
         h.abort();
     }
-    conn.handlers.close();
-    conn.handlers.wait().await;
+    conn.running.tracker.close();
+    conn.running.tracker.wait().await;
     let limit = conn.ctx.config.keepalive_timeout;
     let _ = tokio::time::timeout(limit, conn.writer.close()).await;
     // the place is free before the count says so

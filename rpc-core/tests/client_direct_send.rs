@@ -6,34 +6,15 @@
 //! The transport is an in-process fake: the writer and the direct sender each put what they
 //! are given on a channel of their own, and the test plays the server.
 
-use std::io;
-use std::pin::Pin;
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::Arc;
-use std::task::{Context, Poll};
+mod common;
 
-use futures::{Sink, Stream};
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+
+use common::{ChanReader, ChanWriter, FakeDirect};
 use rpc_core::wire::{Header, Kind, Message};
 use rpc_core::{Bincode, Client, Config, DirectSend, Transport};
 use tokio::sync::mpsc;
-
-struct FakeDirect {
-    ready: AtomicBool,
-    accept: AtomicBool,
-    sent: mpsc::UnboundedSender<Message>,
-}
-
-impl DirectSend for FakeDirect {
-    fn ready(&self) -> bool {
-        self.ready.load(Ordering::SeqCst)
-    }
-    fn try_send(&self, msg: Message) -> Result<(), Message> {
-        if !self.accept.load(Ordering::SeqCst) {
-            return Err(msg);
-        }
-        self.sent.send(msg).map_err(|e| e.0)
-    }
-}
 
 /// The client's end of the in-process fake.
 struct Fake {
@@ -42,45 +23,17 @@ struct Fake {
     direct: Arc<FakeDirect>,
 }
 
-struct FakeReader(mpsc::UnboundedReceiver<Message>);
-struct FakeWriter(mpsc::UnboundedSender<Message>);
-
 impl Transport for Fake {
-    type Reader = FakeReader;
-    type Writer = FakeWriter;
-    fn split(self) -> (FakeReader, FakeWriter) {
-        (FakeReader(self.incoming), FakeWriter(self.written))
+    type Reader = ChanReader;
+    type Writer = ChanWriter;
+    fn split(self) -> (ChanReader, ChanWriter) {
+        (ChanReader(self.incoming), ChanWriter(self.written))
     }
     fn peer(&self) -> String {
         "fake".into()
     }
     fn direct_send(&self) -> Option<Arc<dyn DirectSend>> {
         Some(self.direct.clone())
-    }
-}
-
-impl Stream for FakeReader {
-    type Item = io::Result<Message>;
-    fn poll_next(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Self::Item>> {
-        self.0.poll_recv(cx).map(|m| m.map(Ok))
-    }
-}
-
-impl Sink<Message> for FakeWriter {
-    type Error = io::Error;
-    fn poll_ready(self: Pin<&mut Self>, _cx: &mut Context<'_>) -> Poll<io::Result<()>> {
-        Poll::Ready(Ok(()))
-    }
-    fn start_send(self: Pin<&mut Self>, msg: Message) -> io::Result<()> {
-        self.0
-            .send(msg)
-            .map_err(|_| io::Error::new(io::ErrorKind::BrokenPipe, "test gone"))
-    }
-    fn poll_flush(self: Pin<&mut Self>, _cx: &mut Context<'_>) -> Poll<io::Result<()>> {
-        Poll::Ready(Ok(()))
-    }
-    fn poll_close(self: Pin<&mut Self>, _cx: &mut Context<'_>) -> Poll<io::Result<()>> {
-        Poll::Ready(Ok(()))
     }
 }
 
@@ -109,13 +62,9 @@ impl Server {
 
 fn connect() -> (Client, Server) {
     let (written_tx, written) = mpsc::unbounded_channel();
-    let (direct_tx, direct_sent) = mpsc::unbounded_channel();
     let (reply, incoming) = mpsc::unbounded_channel();
-    let direct = Arc::new(FakeDirect {
-        ready: AtomicBool::new(true),
-        accept: AtomicBool::new(true),
-        sent: direct_tx,
-    });
+    let (direct, direct_sent) = FakeDirect::new();
+    let direct = Arc::new(direct);
     let client = Client::new(
         Fake {
             written: written_tx,

@@ -6,12 +6,12 @@
 //! The transport here is an in-process fake (the test plays the server and offers each frame
 //! to the shortcut, as a transport's receive path does), not a network transport.
 
-use std::io;
-use std::pin::Pin;
-use std::task::{Context, Poll};
+mod common;
+
 use std::time::Duration;
 
-use futures::{FutureExt, Sink, Stream};
+use common::{ChanReader, ChanWriter};
+use futures::FutureExt;
 use rpc_core::wire::{Header, Kind, Message};
 use rpc_core::{Bincode, Client, Config, ResponseShortcut, RpcError, Transport};
 use tokio::sync::mpsc;
@@ -24,45 +24,17 @@ struct Fake {
     shortcut: ResponseShortcut,
 }
 
-struct FakeReader(mpsc::UnboundedReceiver<Message>);
-struct FakeWriter(mpsc::UnboundedSender<Message>);
-
 impl Transport for Fake {
-    type Reader = FakeReader;
-    type Writer = FakeWriter;
-    fn split(self) -> (FakeReader, FakeWriter) {
-        (FakeReader(self.queued), FakeWriter(self.sent))
+    type Reader = ChanReader;
+    type Writer = ChanWriter;
+    fn split(self) -> (ChanReader, ChanWriter) {
+        (ChanReader(self.queued), ChanWriter(self.sent))
     }
     fn peer(&self) -> String {
         "fake".into()
     }
     fn response_shortcut(&self) -> Option<ResponseShortcut> {
         Some(self.shortcut.clone())
-    }
-}
-
-impl Stream for FakeReader {
-    type Item = io::Result<Message>;
-    fn poll_next(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Self::Item>> {
-        self.0.poll_recv(cx).map(|m| m.map(Ok))
-    }
-}
-
-impl Sink<Message> for FakeWriter {
-    type Error = io::Error;
-    fn poll_ready(self: Pin<&mut Self>, _cx: &mut Context<'_>) -> Poll<io::Result<()>> {
-        Poll::Ready(Ok(()))
-    }
-    fn start_send(self: Pin<&mut Self>, msg: Message) -> io::Result<()> {
-        self.0
-            .send(msg)
-            .map_err(|_| io::Error::new(io::ErrorKind::BrokenPipe, "test gone"))
-    }
-    fn poll_flush(self: Pin<&mut Self>, _cx: &mut Context<'_>) -> Poll<io::Result<()>> {
-        Poll::Ready(Ok(()))
-    }
-    fn poll_close(self: Pin<&mut Self>, _cx: &mut Context<'_>) -> Poll<io::Result<()>> {
-        Poll::Ready(Ok(()))
     }
 }
 

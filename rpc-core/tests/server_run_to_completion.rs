@@ -9,11 +9,14 @@
 //! client, offering each frame to the shortcut first as a transport's receive path does, and
 //! the fake direct sender records what it was given. It is not a network transport.
 
+mod common;
+
 use std::io;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+use common::FakeDirect;
 use futures::{SinkExt, StreamExt};
 use rpc_core::mem::{self, MemReader, MemTransport, MemWriter};
 use rpc_core::wire::{Header, Kind, Message};
@@ -22,26 +25,6 @@ use rpc_core::{
     ServerErrorKind, ShutdownHandle, Transport,
 };
 use tokio::sync::{mpsc, oneshot, Notify};
-
-/// The fake direct sender: whether it says the link is idle, whether it takes what it is
-/// given, and where what it took goes.
-struct FakeDirect {
-    ready: AtomicBool,
-    accept: AtomicBool,
-    sent: mpsc::UnboundedSender<Message>,
-}
-
-impl DirectSend for FakeDirect {
-    fn ready(&self) -> bool {
-        self.ready.load(Ordering::SeqCst)
-    }
-    fn try_send(&self, msg: Message) -> Result<(), Message> {
-        if !self.accept.load(Ordering::SeqCst) {
-            return Err(msg);
-        }
-        self.sent.send(msg).map_err(|e| e.0)
-    }
-}
 
 /// The server's end: the in-process transport plus the shortcut and the direct sender.
 struct Fast {
@@ -166,12 +149,8 @@ impl rpc_core::Service for Shared {
 impl Peer {
     async fn connect(config: Config) -> Peer {
         let (server_end, client_end) = mem::pair();
-        let (direct_tx, direct_sent) = mpsc::unbounded_channel();
-        let direct = Arc::new(FakeDirect {
-            ready: AtomicBool::new(true),
-            accept: AtomicBool::new(true),
-            sent: direct_tx,
-        });
+        let (direct, direct_sent) = FakeDirect::new();
+        let direct = Arc::new(direct);
         let shortcut = ResponseShortcut::new();
         let svc = Arc::new(Svc::default());
         let shutdown = ShutdownHandle::new();

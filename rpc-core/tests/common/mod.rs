@@ -1,0 +1,79 @@
+//! In-process fakes shared by the tests of the transport contract's optional paths (the
+//! response shortcut and the direct sender). Not network transports: each hands messages
+//! over channels.
+
+#![allow(dead_code)] // each test crate uses a part
+
+use std::io;
+use std::pin::Pin;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::task::{Context, Poll};
+
+use futures::{Sink, Stream};
+use rpc_core::wire::Message;
+use rpc_core::DirectSend;
+use tokio::sync::mpsc;
+
+/// A fake direct sender: whether it says the link is idle, whether it takes what it is
+/// given, and the channel where what it took goes.
+pub(crate) struct FakeDirect {
+    pub(crate) ready: AtomicBool,
+    pub(crate) accept: AtomicBool,
+    sent: mpsc::UnboundedSender<Message>,
+}
+
+impl FakeDirect {
+    /// Ready and accepting; what it sends comes out of the receiver.
+    pub(crate) fn new() -> (FakeDirect, mpsc::UnboundedReceiver<Message>) {
+        let (sent, rx) = mpsc::unbounded_channel();
+        let direct = FakeDirect {
+            ready: AtomicBool::new(true),
+            accept: AtomicBool::new(true),
+            sent,
+        };
+        (direct, rx)
+    }
+}
+
+impl DirectSend for FakeDirect {
+    fn ready(&self) -> bool {
+        self.ready.load(Ordering::SeqCst)
+    }
+    fn try_send(&self, msg: Message) -> Result<(), Message> {
+        if !self.accept.load(Ordering::SeqCst) {
+            return Err(msg);
+        }
+        self.sent.send(msg).map_err(|e| e.0)
+    }
+}
+
+/// A transport's reader fed by a channel.
+pub(crate) struct ChanReader(pub(crate) mpsc::UnboundedReceiver<Message>);
+
+/// A transport's writer that puts every message on a channel, ready and flushed at once.
+pub(crate) struct ChanWriter(pub(crate) mpsc::UnboundedSender<Message>);
+
+impl Stream for ChanReader {
+    type Item = io::Result<Message>;
+    fn poll_next(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Self::Item>> {
+        self.0.poll_recv(cx).map(|m| m.map(Ok))
+    }
+}
+
+impl Sink<Message> for ChanWriter {
+    type Error = io::Error;
+    fn poll_ready(self: Pin<&mut Self>, _cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Poll::Ready(Ok(()))
+    }
+    fn start_send(self: Pin<&mut Self>, msg: Message) -> io::Result<()> {
+        self.0
+            .send(msg)
+            .map_err(|_| io::Error::new(io::ErrorKind::BrokenPipe, "test gone"))
+    }
+    fn poll_flush(self: Pin<&mut Self>, _cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Poll::Ready(Ok(()))
+    }
+    fn poll_close(self: Pin<&mut Self>, _cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Poll::Ready(Ok(()))
+    }
+}
