@@ -35,7 +35,8 @@ use crate::{Config, RpcError, ServerError, ServerErrorKind};
 struct State {
     /// Shared (weakly) with the transport's [`ResponseShortcut`], if it has one.
     table: Arc<Mutex<Table>>,
-    /// Responses taken through the shortcut: traffic, for the keep-alive.
+    /// Responses taken through the shortcut since the keep-alive's last tick: traffic (see
+    /// `KeepAlive::count_also`).
     shortcut_answers: Arc<AtomicU64>,
     credits: Semaphore,
     /// Cancelled when the connection is gone (for [`Client::closed`]).
@@ -939,7 +940,7 @@ where
     R: Stream<Item = io::Result<Message>> + Unpin,
 {
     let mut keepalive = KeepAlive::new(config.keepalive_interval, config.keepalive_timeout);
-    let mut shortcut_answers = 0;
+    keepalive.count_also(Arc::clone(&state.shortcut_answers));
     // Callers whose answers came in this turn, woken once the table is unlocked. Answers read
     // in one turn (one read of the socket, one batch of packets) are recorded under one lock.
     let mut answered: Vec<Waker> = Vec::new();
@@ -980,11 +981,6 @@ where
                     state.reader.register(cx.waker());
                     if state.is_shut() {
                         break Poll::Ready(());
-                    }
-                    let n = state.shortcut_answers.load(Ordering::Relaxed);
-                    if n != shortcut_answers {
-                        shortcut_answers = n;
-                        keepalive.saw_frame();
                     }
                     while let Poll::Ready(tick) = keepalive.poll_tick(cx) {
                         match tick {
