@@ -5,15 +5,18 @@
 //! transport is the in-process one, with a writer that records how many answers each flush
 //! carried; the frames are sent by hand, on a current-thread runtime, so the order is fixed.
 
+mod common;
+
 use std::io;
 use std::pin::Pin;
 use std::sync::{Arc, Mutex};
 use std::task::{Context, Poll};
 
+use common::{request, Echo};
 use futures::{Sink, SinkExt, StreamExt};
 use rpc_core::mem::{self, MemReader, MemTransport, MemWriter};
-use rpc_core::wire::{Header, Kind, Message};
-use rpc_core::{Bincode, Codec, Config, Reply, Request, ServerError, ShutdownHandle, Transport};
+use rpc_core::wire::{Kind, Message};
+use rpc_core::{Config, ShutdownHandle, Transport};
 
 /// Answers fed to the writer since its last flush, and the count of every flush that carried
 /// any.
@@ -93,34 +96,6 @@ impl rpc_core::Listener for CountedListener {
     }
 }
 
-/// `Echo.echo(x) -> x`, answered on its first poll (inline, no task of its own).
-struct Echo;
-
-impl rpc_core::Service for Echo {
-    const NAME: &'static str = "Echo";
-
-    fn method_name(&self, m: u32) -> Option<&'static str> {
-        (m == 1).then_some("Echo.echo")
-    }
-
-    async fn dispatch(&self, _m: u32, req: Request) -> Result<Reply, ServerError> {
-        let x: u64 = req.decode::<rpc_core::Bincode, _>("Echo.echo")?;
-        Reply::encode::<rpc_core::Bincode, _>(&x)
-    }
-}
-
-fn request(id: u64) -> Message {
-    let mut header = Header::new(Kind::Request, id);
-    header.method = 1;
-    let mut body = Vec::new();
-    Bincode::encode(&id, &mut body).unwrap();
-    Message {
-        header,
-        body: body.into(),
-        attachments: Vec::new(),
-    }
-}
-
 /// Sends requests 1..=`bunch` together, lets the runtime run its other tasks once, sends one
 /// more, and returns how many answers each of the server's flushes carried (after a first
 /// call, which sets the connection up).
@@ -140,20 +115,20 @@ async fn flushes_of_a_bunch(coalesce: bool, bunch: u64) -> Vec<usize> {
         Default::default(),
     ));
     let (mut answers, mut requests) = connector.connect().await.unwrap().split();
-    requests.send(request(10)).await.unwrap();
+    requests.send(request(1, 10)).await.unwrap();
     let first = answers.next().await.unwrap().unwrap();
     assert_eq!(first.header.id, 10);
     assert_eq!(flushes.lock().unwrap().sizes, vec![1]);
     flushes.lock().unwrap().sizes.clear();
 
     for id in 1..=bunch {
-        requests.feed(request(id)).await.unwrap();
+        requests.feed(request(1, id)).await.unwrap();
     }
     requests.flush().await.unwrap();
     // The server's task runs now: it reads the bunch, and either answers it at once or
     // yields; this task's turn (deferred before the server's) comes first.
     tokio::task::yield_now().await;
-    requests.send(request(bunch + 1)).await.unwrap();
+    requests.send(request(1, bunch + 1)).await.unwrap();
     let mut ids = Vec::new();
     for _ in 0..=bunch {
         let a = answers.next().await.unwrap().unwrap();

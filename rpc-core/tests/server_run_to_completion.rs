@@ -16,10 +16,10 @@ use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use common::FakeDirect;
+use common::{request, FakeDirect};
 use futures::{SinkExt, StreamExt};
 use rpc_core::mem::{self, MemReader, MemTransport, MemWriter};
-use rpc_core::wire::{Header, Kind, Message};
+use rpc_core::wire::{Kind, Message};
 use rpc_core::{
     Bincode, Codec, Config, DirectSend, Reply, Request, ResponseShortcut, ServerError,
     ServerErrorKind, ShutdownHandle, Transport,
@@ -97,18 +97,6 @@ impl rpc_core::Service for Svc {
             self.go.notified().await;
         }
         Reply::encode::<Bincode, _>(&x)
-    }
-}
-
-fn request(method: u32, id: u64) -> Message {
-    let mut header = Header::new(Kind::Request, id);
-    header.method = method;
-    let mut body = Vec::new();
-    Bincode::encode(&id, &mut body).unwrap();
-    Message {
-        header,
-        body: body.into(),
-        attachments: Vec::new(),
     }
 }
 

@@ -4,25 +4,16 @@
 //! runtime's clock is paused and only moves when every task waits for a timer), so the check
 //! that no time passed is exact, not a timing bound. The transport is the in-process one.
 
+mod common;
+
 use std::time::Duration;
+
+use common::{request, Echo};
 
 use futures::{SinkExt, StreamExt};
 use rpc_core::mem;
-use rpc_core::wire::{Header, Kind, Message};
-use rpc_core::{Bincode, Codec, Config, Reply, Request, ServerError, ShutdownHandle, Transport};
-
-struct Echo;
-
-impl rpc_core::Service for Echo {
-    const NAME: &'static str = "Echo";
-    fn method_name(&self, m: u32) -> Option<&'static str> {
-        (m == 1).then_some("Echo.echo")
-    }
-    async fn dispatch(&self, _m: u32, req: Request) -> Result<Reply, ServerError> {
-        let x: u64 = req.decode::<Bincode, _>("Echo.echo")?;
-        Reply::encode::<Bincode, _>(&x)
-    }
-}
+use rpc_core::wire::Kind;
+use rpc_core::{Config, ShutdownHandle, Transport};
 
 #[tokio::test(start_paused = true)]
 async fn an_idle_connection_hears_of_shutdown_at_once() {
@@ -38,18 +29,7 @@ async fn an_idle_connection_hears_of_shutdown_at_once() {
         Default::default(),
     ));
     let (mut answers, mut requests) = connector.connect().await.unwrap().split();
-    let mut header = Header::new(Kind::Request, 1);
-    header.method = 1;
-    let mut body = Vec::new();
-    Bincode::encode(&1u64, &mut body).unwrap();
-    requests
-        .send(Message {
-            header,
-            body: body.into(),
-            attachments: Vec::new(),
-        })
-        .await
-        .unwrap();
+    requests.send(request(1, 1)).await.unwrap();
     assert_eq!(answers.next().await.unwrap().unwrap().header.id, 1);
     // the connection now waits for frames, with nothing else due before its keep-alive tick
     let began = tokio::time::Instant::now();

@@ -77,3 +77,37 @@ impl Sink<Message> for ChanWriter {
         Poll::Ready(Ok(()))
     }
 }
+
+/// `Echo.echo(x) -> x` (method 1), answered on its first poll (inline, no task of its own).
+pub(crate) struct Echo;
+
+impl rpc_core::Service for Echo {
+    const NAME: &'static str = "Echo";
+
+    fn method_name(&self, m: u32) -> Option<&'static str> {
+        (m == 1).then_some("Echo.echo")
+    }
+
+    async fn dispatch(
+        &self,
+        _m: u32,
+        req: rpc_core::Request,
+    ) -> Result<rpc_core::Reply, rpc_core::ServerError> {
+        let x: u64 = req.decode::<rpc_core::Bincode, _>("Echo.echo")?;
+        rpc_core::Reply::encode::<rpc_core::Bincode, _>(&x)
+    }
+}
+
+/// A request frame for `method` with id `id`, whose argument is the id itself.
+pub(crate) fn request(method: u32, id: u64) -> Message {
+    use rpc_core::Codec;
+    let mut header = rpc_core::wire::Header::new(rpc_core::wire::Kind::Request, id);
+    header.method = method;
+    let mut body = Vec::new();
+    rpc_core::Bincode::encode(&id, &mut body).unwrap();
+    Message {
+        header,
+        body: body.into(),
+        attachments: Vec::new(),
+    }
+}
