@@ -132,6 +132,9 @@ if [ "${RDMA_TEST_RPCPERF:-1}" = 1 ]; then
   done
   # the connection layer's own SEND/RECV ping-pong: the floor under rpc-perf's small call
   build_example verbs-pingpong "$OUT/perf" -p transport-rdma
+  # rpc-perf with the latency probe (timestamps of posts and receive completions), to split the
+  # small call's round trip into wire and processing time
+  build_example rpc-perf "$OUT/perf/probe" --features rdma-rpc/rdma,transport-rdma/latency-probe
 fi
 NTESTS=$(ls "$OUT/bin" | wc -l)
 NEX=$( (ls "$OUT/examples" 2>/dev/null || true) | wc -l)
@@ -272,6 +275,28 @@ if [ -x perf/rpc-perf ]; then
     else
       note "verbs-pingpong $d busy-poll 32 B SEND/RECV round trip (connection layer alone): $vrow"
     fi
+    # where the small call's time goes: the busy-poll small call again, on the probe build;
+    # the host splits the records after the run (scripts/latency-split.py)
+    if [ -x perf/probe/rpc-perf ]; then
+      PERF_PORT=$((PERF_PORT+1)); pdir=logs/probe-$d; rm -rf "$pdir"; mkdir -p "$pdir"
+      ep="rdma://${IP[$d]}:$PERF_PORT?device=$d&busy_poll_us=2000"
+      RDMA_RPC_PROBE_DIR=$pdir ./perf/probe/rpc-perf --server $RUNTIME --endpoint "$ep" \
+        > "$pdir/server.log" 2>&1 & psrv=$!
+      for _ in $(seq 300); do
+        grep -q "serving on" "$pdir/server.log" 2>/dev/null && break
+        kill -0 "$psrv" 2>/dev/null || break
+        sleep 0.1
+      done
+      RDMA_RPC_PROBE_DIR=$pdir timeout 180 ./perf/probe/rpc-perf --client $RUNTIME --endpoint "$ep" \
+        --op echo --sizes 0 --concurrency 1 --duration 4 --warmup 1 > "$pdir/client.log" 2>&1; rc=$?
+      kill "$psrv" 2>/dev/null; wait "$psrv" 2>/dev/null
+      n=$(find "$pdir" -name 'probe-*.txt' | wc -l)
+      if [ $rc != 0 ] || [ "$n" != 4 ]; then
+        note "latency probe $d: FAILED (exit $rc, $n of 4 records; see logs/probe-$d)"; PROBLEMS=$((PROBLEMS+1))
+      else
+        note "latency probe $d: busy-poll small call recorded in logs/probe-$d ($(awk '/bytes +calls/ {on=1; next} on && NF == 7 {print "p50", $5, "us"}' "$pdir/client.log"))"
+      fi
+    fi
   done
 fi
 
@@ -372,6 +397,14 @@ echo
 echo "===================== rdma-test summary ====================="
 cat "$OUT/summary.txt" 2>/dev/null || echo "(no summary: the guest did not get that far)"
 read -r PASSED FAILED PROBLEMS < "$OUT/counts" 2>/dev/null || { PASSED=0; FAILED=0; PROBLEMS=1; }
+# the latency probe's records, split here (the small call's round trip: wire and processing)
+for p in "$OUT"/logs/probe-*/; do
+  [ -d "$p" ] || continue
+  echo "latency split of the busy-poll small call on $(basename "$p" | sed 's/^probe-//'):"
+  if ! python3 "$ROOT/scripts/latency-split.py" "$p" | sed 's/^/    /'; then
+    echo "rdma-test: latency-split.py failed on $p" >&2; rc=1
+  fi
+done
 [ "$rc" = 0 ] || [ "$FAILED" -gt 0 ] || [ "$PROBLEMS" -gt 0 ] || FAILED=1
 say "guest exit status $rc; logs in $OUT/logs"
 echo "rdma-test: $PASSED passed, $FAILED failed"

@@ -1582,6 +1582,9 @@ fn on_cm_event(shared: &Shared, ev: CmEvent) {
 
 fn dispatch(shared: &Shared, wcs: &[Wc]) {
     for wc in wcs {
+        if wc.kind == WrKind::Recv {
+            crate::probe::mark(crate::probe::Point::Recv);
+        }
         let mem = shared.qp.retire(wc.wr_id);
         let op = match wc.kind {
             WrKind::Recv => "RECV",

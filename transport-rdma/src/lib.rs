@@ -134,6 +134,7 @@ mod conn;
 mod error;
 mod inbox;
 mod pool;
+mod probe;
 mod rpc;
 #[allow(unsafe_code)]
 mod verbs;

@@ -874,6 +874,9 @@ impl Qp {
                 },
             };
         }
+        if opcode == ibv_wr_opcode::IBV_WR_SEND {
+            crate::probe::mark(crate::probe::Point::Post);
+        }
         let mut bad: *mut ibv_send_wr = std::ptr::null_mut();
         // SAFETY: the QP is live (owned by `self`); `wr` and `sge` live across the call, which
         // copies them into the send queue; the caller has checked that the local range lies in
