@@ -293,7 +293,7 @@ pub fn framework_round_trip<T: Lifted>(v: &T, kind: Kind, id: u64, method: u32) 
             aux: 0,
         },
         body: body.clone(),
-        attachments: atts,
+        attachments: atts.into(),
     };
     let got = through_frame_codec(&msg);
     let back: T = Request::new(got.body, got.attachments)

@@ -24,7 +24,7 @@ use crate::codec::Codec;
 use crate::conn::{encode_body, KeepAlive, Tick};
 use crate::payload::{with_attachments, PayloadMemory, PayloadMut};
 use crate::transport::{DirectSend, ResponseShortcut, Transport};
-use crate::wire::{Header, Kind, Message};
+use crate::wire::{Attachments, Header, Kind, Message};
 use crate::{Config, RpcError, ServerError, ServerErrorKind};
 
 /// State shared by the call futures and the connection's reader and writer tasks.
@@ -325,7 +325,7 @@ impl Client {
         let hello = Message {
             header: Header::new(Kind::Hello, 0),
             body: token,
-            attachments: Vec::new(),
+            attachments: Attachments::new(),
         };
         let greeting = async {
             // A server that refuses the connection may answer and close before the greeting

@@ -13,8 +13,7 @@ use tokio::time::{Instant, Interval, MissedTickBehavior};
 
 use crate::codec::{Codec, CodecError};
 use crate::payload::collect_attachments;
-use crate::wire::Message;
-use crate::Payload;
+use crate::wire::{Attachments, Message};
 
 /// Sends messages to a connection's writer task.
 pub(crate) type Outbox = mpsc::UnboundedSender<Message>;
@@ -115,9 +114,9 @@ const CHUNK_MAX_BODY: usize = 256;
 /// [`body_bytes`]): no allocation per small message, none for an empty body.
 pub(crate) fn encode_body<C: Codec, T: Serialize + ?Sized>(
     value: &T,
-) -> Result<(Bytes, Vec<Payload>), CodecError> {
-    let mut attachments = Vec::new();
-    let encode = |buf: &mut Vec<u8>, attachments: &mut Vec<Payload>| {
+) -> Result<(Bytes, Attachments), CodecError> {
+    let mut attachments = Attachments::new();
+    let encode = |buf: &mut Vec<u8>, attachments: &mut Attachments| {
         buf.clear();
         collect_attachments(attachments, || C::encode(value, buf))?;
         Ok(body_bytes(buf))

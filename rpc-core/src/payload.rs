@@ -18,6 +18,8 @@ use serde::de::{self, Deserializer, SeqAccess, Visitor};
 use serde::ser::Serializer;
 use serde::{Deserialize, Serialize};
 
+use crate::wire::Attachments;
+
 /// Name under which an attachment index is serialised (a newtype struct around a `u32`).
 const TOKEN: &str = "$rdma_rpc::Payload";
 
@@ -241,15 +243,15 @@ impl fmt::Debug for Payload {
 
 thread_local! {
     /// Attachments collected by the encoder running on this thread, if one is.
-    static OUTGOING: RefCell<Option<Vec<Payload>>> = const { RefCell::new(None) };
+    static OUTGOING: RefCell<Option<Attachments>> = const { RefCell::new(None) };
     /// Attachments the decoder running on this thread resolves indices against, if one is.
-    static INCOMING: RefCell<Option<Vec<Payload>>> = const { RefCell::new(None) };
+    static INCOMING: RefCell<Option<Attachments>> = const { RefCell::new(None) };
 }
 
 /// Runs `encode` with payload collection on: every `Payload` it serialises is appended to
 /// `attachments` and serialised as its index.
 pub(crate) fn collect_attachments<R>(
-    attachments: &mut Vec<Payload>,
+    attachments: &mut Attachments,
     encode: impl FnOnce() -> R,
 ) -> R {
     let prev = OUTGOING.with(|o| o.borrow_mut().replace(std::mem::take(attachments)));
@@ -263,7 +265,7 @@ pub(crate) fn collect_attachments<R>(
 }
 
 /// Runs `decode` with `attachments` available to resolve payload indices.
-pub(crate) fn with_attachments<R>(attachments: Vec<Payload>, decode: impl FnOnce() -> R) -> R {
+pub(crate) fn with_attachments<R>(attachments: Attachments, decode: impl FnOnce() -> R) -> R {
     let prev = INCOMING.with(|i| i.borrow_mut().replace(attachments));
     let r = decode();
     INCOMING.with(|i| *i.borrow_mut() = prev);

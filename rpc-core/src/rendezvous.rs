@@ -50,8 +50,7 @@ use std::collections::HashMap;
 
 use bytes::{Buf, BufMut, Bytes, BytesMut};
 
-use crate::wire::{FrameError, Limits, Message, WireHeader, HEADER_LEN};
-use crate::Payload;
+use crate::wire::{Attachments, FrameError, Limits, Message, WireHeader, HEADER_LEN};
 
 /// Size of the packet header.
 pub const PACKET_HEADER_LEN: usize = 16;
@@ -187,7 +186,8 @@ pub struct Inline {
 
 impl Inline {
     /// Assembles the message once its attachments have arrived.
-    pub fn into_message(self, attachments: Vec<Payload>) -> Message {
+    pub fn into_message(self, attachments: impl Into<Attachments>) -> Message {
+        let attachments = attachments.into();
         debug_assert_eq!(attachments.len(), self.lens.len());
         Message {
             header: self.wire.header,

@@ -29,8 +29,8 @@ use crate::conn::{encode_body, KeepAlive, Outbox, Tick};
 use crate::ids::IdMap;
 use crate::payload::{with_attachments, PayloadMemory, PayloadMut};
 use crate::transport::{DirectSend, Listener, Transport};
-use crate::wire::{FrameError, Header, Kind, Message};
-use crate::{Config, Payload, Secret, ServerError, ServerErrorKind};
+use crate::wire::{Attachments, FrameError, Header, Kind, Message};
+use crate::{Config, Secret, ServerError, ServerErrorKind};
 
 /// A set of methods served under one name. Implemented by the `FooServer<S>` types that
 /// `#[rdma_service]` generates; there is rarely a reason to implement it by hand.
@@ -53,13 +53,16 @@ pub trait Service: Send + Sync + 'static {
 #[derive(Debug)]
 pub struct Request {
     body: Bytes,
-    attachments: Vec<Payload>,
+    attachments: Attachments,
 }
 
 impl Request {
     /// A request from an encoded body and its attachments.
-    pub fn new(body: Bytes, attachments: Vec<Payload>) -> Request {
-        Request { body, attachments }
+    pub fn new(body: Bytes, attachments: impl Into<Attachments>) -> Request {
+        Request {
+            body,
+            attachments: attachments.into(),
+        }
     }
 
     /// Decodes the arguments of method `name`; failure is a `BadRequest` for the caller.
@@ -81,7 +84,7 @@ impl Request {
 #[derive(Debug)]
 pub struct Reply {
     body: Bytes,
-    attachments: Vec<Payload>,
+    attachments: Attachments,
 }
 
 impl Reply {
@@ -1099,7 +1102,7 @@ fn error_message(id: u64, kind: ServerErrorKind, message: &str) -> Message {
             aux: kind.code(),
         },
         body: Bytes::copy_from_slice(message.as_bytes()),
-        attachments: Vec::new(),
+        attachments: Attachments::new(),
     }
 }
 

@@ -105,7 +105,7 @@ pub struct Message {
     /// The codec's encoding of the arguments or result (payloads replaced by their index).
     pub body: Bytes,
     /// Bulk data, in the order the codec met the payloads.
-    pub attachments: Vec<Payload>,
+    pub attachments: Attachments,
 }
 
 impl Message {
@@ -114,7 +114,7 @@ impl Message {
         Message {
             header: Header::new(kind, id),
             body: Bytes::new(),
-            attachments: Vec::new(),
+            attachments: Attachments::new(),
         }
     }
 
@@ -319,7 +319,7 @@ impl WireHeader {
             return Ok(Message {
                 header: self.header,
                 body: rest,
-                attachments: Vec::new(),
+                attachments: Attachments::new(),
             });
         }
         let table = rest.split_to(8 * n);
@@ -411,6 +411,9 @@ impl fmt::Display for Kind {
         fmt::Debug::fmt(self, f)
     }
 }
+
+pub mod attachments;
+pub use attachments::Attachments;
 
 #[cfg(test)]
 mod tests;

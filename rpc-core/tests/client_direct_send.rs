@@ -54,7 +54,7 @@ impl Server {
             .send(Message {
                 header,
                 body: req.body.clone(),
-                attachments: Vec::new(),
+                attachments: Default::default(),
             })
             .unwrap();
     }

@@ -160,7 +160,7 @@ impl Peer {
         let _ = self.answer.send(Message {
             header: Header::new(Kind::Response, req.header.id),
             body: req.body.clone(),
-            attachments: Vec::new(),
+            attachments: Default::default(),
         });
         req
     }
@@ -189,7 +189,7 @@ async fn a_lone_call_is_written_by_its_caller() {
     let _ = peer.answer.send(Message {
         header: Header::new(Kind::Response, req.header.id),
         body: req.body.clone(),
-        attachments: Vec::new(),
+        attachments: Default::default(),
     });
     assert_eq!(first.await.unwrap(), 7);
 

@@ -72,7 +72,7 @@ fn answer(req: &Message) -> Message {
     Message {
         header: Header::new(Kind::Response, req.header.id),
         body: req.body.clone(),
-        attachments: Vec::new(),
+        attachments: Default::default(),
     }
 }
 

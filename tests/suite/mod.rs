@@ -139,7 +139,7 @@ pub mod raw {
                 aux: 0,
             },
             body: bytes::Bytes::copy_from_slice(body),
-            attachments: vec![],
+            attachments: Default::default(),
         };
         let mut b = bytes::BytesMut::new();
         m.encode_into(&mut b);

@@ -374,7 +374,7 @@ impl Raw {
         let msg = Message {
             header,
             body: body.into(),
-            attachments: vec![Payload::from_owner(vec![0u8; segment.len as usize])],
+            attachments: vec![Payload::from_owner(vec![0u8; segment.len as usize])].into(),
         };
         let mut out = BytesMut::new();
         Packet::encode_pull_rts(&mut out, 0, id, &msg, &[segment]);

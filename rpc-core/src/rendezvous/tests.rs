@@ -4,6 +4,7 @@ use bytes::{Bytes, BytesMut};
 
 use super::*;
 use crate::wire::{Header, Kind};
+use crate::Payload;
 
 fn limits() -> Limits {
     Limits {
@@ -543,7 +544,7 @@ mod fake_nic {
                     done = me.transfers.on_read_done(id)?;
                 }
                 let (head, bufs) = done.expect("all reads done");
-                let atts = bufs
+                let atts: Vec<Payload> = bufs
                     .into_iter()
                     .map(|b| Payload::from(nic.take(b)))
                     .collect();
@@ -576,7 +577,7 @@ mod fake_nic {
             }
             Packet::PushDone { id } => {
                 let (head, bufs) = me.transfers.on_push_done(id)?;
-                let atts = bufs
+                let atts: Vec<Payload> = bufs
                     .into_iter()
                     .map(|b| Payload::from(nic.take(b)))
                     .collect();

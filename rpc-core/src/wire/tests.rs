@@ -24,7 +24,8 @@ fn sample() -> Message {
             Payload::from(vec![1u8; 100]),
             Payload::new(),
             Payload::from(vec![3u8; 7]),
-        ],
+        ]
+        .into(),
     }
 }
 

@@ -108,6 +108,6 @@ pub(crate) fn request(method: u32, id: u64) -> Message {
     Message {
         header,
         body: body.into(),
-        attachments: Vec::new(),
+        attachments: Default::default(),
     }
 }
