@@ -322,7 +322,7 @@ tokio::task_local! {
 }
 
 /// In a handler, a buffer of `len` bytes to fill in place and return as a
-/// [`Payload`] ([`PayloadMut::freeze`]) without a copy: lent by the connection the request
+/// [`Payload`](crate::Payload) ([`PayloadMut::freeze`]) without a copy: lent by the connection the request
 /// came on, where its transport has such memory (RDMA: a registered buffer the client then
 /// reads from where it is). Elsewhere (over TCP, outside a handler or in a task the handler
 /// spawned, or with no buffer free), zeroed heap memory. A lent buffer's bytes are not
