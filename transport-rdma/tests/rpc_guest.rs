@@ -1182,6 +1182,14 @@ fn srq_stats(mon: &SharedReceiveMonitor) -> SharedReceiveStats {
 
 /// Waits (bounded) until every slot of the server's shared receive queue is free and posted
 /// again: all windows given back, no receive lost.
+/// Waits until every slot of the shared receive queue is posted. A completion is retired before
+/// its slot (or a fresh one) is posted again, so a packet still arriving (a credit return after
+/// the last answer) makes the count one short for a moment: a single reading may miss a slot
+/// that is about to come back.
+async fn srq_all_posted(what: &str, mon: &SharedReceiveMonitor) -> SharedReceiveStats {
+    eventually(what, || srq_stats(mon), |s| s.posted == s.slots as usize).await
+}
+
 async fn srq_settles(what: &str, mon: &SharedReceiveMonitor) -> SharedReceiveStats {
     eventually(
         what,
@@ -1216,9 +1224,8 @@ async fn shared_receive_queue_many_connections() {
         );
         echo(first.clone(), 0).await;
         let registered_1 = srv.pools.counts().registered_bytes;
-        let s1 = srq_stats(&srv.srq);
+        let s1 = srq_all_posted("every slot is posted", &srv.srq).await;
         assert_eq!(s1.slots as usize, slots);
-        assert_eq!(s1.posted, slots, "every slot is posted");
         let rss0 = rss_kib();
         let mut clients = vec![first];
         let mut monitors = Vec::new();
@@ -1244,7 +1251,7 @@ async fn shared_receive_queue_many_connections() {
             echo(c.clone(), i as u64).await;
         }
         let registered_n = srv.pools.counts().registered_bytes;
-        let sn = srq_stats(&srv.srq);
+        let sn = srq_all_posted("every slot is posted", &srv.srq).await;
         let per_conn_kib = rss_kib().saturating_sub(rss0) / (n as u64 - 1);
         // the client's own receive slots (registered, touched) are most of that
         let client_kib = monitors[0].counts().registered_bytes / 1024;
@@ -1257,7 +1264,6 @@ async fn shared_receive_queue_many_connections() {
             sn.free
         );
         assert_eq!(registered_n, registered_1, "the server's registered memory grew with its connections");
-        assert_eq!(sn.posted, slots, "every slot is posted");
         assert!(
             sn.free as usize <= slots - 2 * n,
             "each of {n} connections holds at least its start window: {sn:?}"
@@ -1317,13 +1323,12 @@ async fn shared_receive_queue_under_pressure() {
             t.await.expect("caller");
         }
         let calls = 6 * 16 * 20;
-        let during = srq_stats(&srv.srq);
+        let during = srq_all_posted("every slot is posted after the calls", &srv.srq).await;
         println!(
             "device {dev}: {calls} calls, 6 connections x 16 in flight, over a shared receive queue of {slots} slots: all answered byte-exact in {:.1} s; {} slots free afterwards",
             t0.elapsed().as_secs_f64(),
             during.free
         );
-        assert_eq!(during.posted, slots, "every slot is posted");
 
         // admission: connect until refused (each connection needs 2 free slots)
         let mut more = Vec::new();
