@@ -7,8 +7,12 @@
 //! verbs-pingpong --server --addr 10.99.0.1:19500 [--device rxe0] [--busy-poll-us 2000]
 //! verbs-pingpong --client --addr 10.99.0.1:19500 [--device rxe0] [--busy-poll-us 2000]
 //!                [--rounds 20000] [--size 32] [--event-interval 61]
-//! (both)         [--runtime multi|current]
+//! (both)         [--runtime multi|current] [--slots 32] [--slot-size 16384]
 //! ```
+//!
+//! `--slots` sets both the receive slots posted and the SEND slots of each side, and
+//! `--slot-size` their size (`RdmaOptions::recv_slots`, `send_slots`, `slot_size`): how much
+//! memory a ping-pong cycles through.
 //!
 //! `--runtime current` runs on tokio's current-thread runtime, as `rpc-perf --runtime current`
 //! does; the default is a multi-thread runtime with one worker.
@@ -59,6 +63,18 @@ fn parse() -> Result<Args, String> {
                     .map_err(|e| format!("--busy-poll-us: {e}"))?;
                 opts.busy_poll = Duration::from_micros(us);
                 opts.busy_poll_max = Duration::from_micros(us);
+            }
+            "--slots" => {
+                let n: usize = value("--slots")?
+                    .parse()
+                    .map_err(|e| format!("--slots: {e}"))?;
+                opts.recv_slots = n;
+                opts.send_slots = n;
+            }
+            "--slot-size" => {
+                opts.slot_size = value("--slot-size")?
+                    .parse()
+                    .map_err(|e| format!("--slot-size: {e}"))?
             }
             "--rounds" => {
                 rounds = value("--rounds")?
