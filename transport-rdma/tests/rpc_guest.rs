@@ -2,7 +2,9 @@
 //! rendezvous of large payloads, with rpc-core's client and server. Like `verbs_guest`, these
 //! tests are built only with the `guest-tests` feature and run by `scripts/rdma-test.sh` in the
 //! QEMU guest on rxe0 and siw0 (`RDMA_RPC_TEST_DEVICE`, `RDMA_RPC_TEST_IP`); they FAIL when the
-//! named device is missing.
+//! named device is missing. They run one at a time (`--test-threads=1`, as that script passes):
+//! `idle_connections_sleep` and `many_connections_memory` measure the whole process's CPU time
+//! and resident memory, which tests running beside them would add to.
 
 use std::net::{IpAddr, SocketAddr};
 use std::time::{Duration, Instant};
