@@ -210,6 +210,43 @@ pub const DEFAULT_LARGE_BUFFER_BYTES: u64 = 64 << 20;
 /// `max_message_size`, 1 GiB by default).
 pub const DEFAULT_MAX_FALLBACK_BYTES: u64 = 256 << 20;
 
+/// The default of [`RdmaOptions::read_depth`]: 8 RDMA READs in flight each way, as many as a
+/// connection keeps one-sided operations in flight (several large payloads pulled at once each
+/// have their READ on the wire; with one, they queue behind each other).
+pub const DEFAULT_READ_DEPTH: u8 = 8;
+
+/// RDMA READs in flight on a connection, each way: what rdma_cm negotiated for it
+/// ([`RdmaConnection::read_depth`], bounded by [`RdmaOptions::read_depth`] and the device).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ReadDepth {
+    /// READs a side serves for its peer at once (responder resources)
+    pub responder: u8,
+    /// READs a side has outstanding to its peer at once (initiator depth)
+    pub initiator: u8,
+}
+
+impl ReadDepth {
+    /// What an accepting side answers to a request that offered `offer`, with at most `limit`
+    /// each way: it serves no more READs than the peer will issue, and issues no more than the
+    /// peer serves (librdmacm's rules for `rdma_accept`); at least one each way, as every
+    /// connection of this crate both pulls and is pulled from.
+    pub(crate) fn accepting(limit: u8, offer: ReadDepth) -> ReadDepth {
+        ReadDepth {
+            responder: limit.min(offer.initiator).max(1),
+            initiator: limit.min(offer.responder).max(1),
+        }
+    }
+
+    /// What a connecting side that offered `limit` each way uses once the peer's answer is
+    /// `answer`: it serves what it offered, and issues no more than the peer serves.
+    pub(crate) fn connecting(limit: u8, answer: ReadDepth) -> ReadDepth {
+        ReadDepth {
+            responder: limit,
+            initiator: limit.min(answer.responder).max(1),
+        }
+    }
+}
+
 /// Tuning of a connection.
 #[derive(Debug, Clone)]
 pub struct RdmaOptions {
@@ -265,6 +302,11 @@ pub struct RdmaOptions {
     /// a transfer registers a buffer for itself (`PoolCounts::fallback_registrations`). 0: never
     /// keep one.
     pub large_buffer_bytes: u64,
+    /// RDMA READs in flight each way that a connection asks for (its initiator depth and
+    /// responder resources); rdma_cm settles on the smallest of both sides' values and the
+    /// devices' limits (at least 1). A receiver pulls several large payloads at once only
+    /// with a depth above 1.
+    pub read_depth: u8,
 }
 
 impl Default for RdmaOptions {
@@ -282,6 +324,7 @@ impl Default for RdmaOptions {
             max_fallback_bytes: DEFAULT_MAX_FALLBACK_BYTES,
             srq_slots: 0,
             large_buffer_bytes: DEFAULT_LARGE_BUFFER_BYTES,
+            read_depth: DEFAULT_READ_DEPTH,
             // 15 MiB per connection
             pool_classes: vec![
                 SizeClass {
@@ -298,5 +341,34 @@ impl Default for RdmaOptions {
                 },
             ],
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::ReadDepth;
+
+    fn depth(responder: u8, initiator: u8) -> ReadDepth {
+        ReadDepth {
+            responder,
+            initiator,
+        }
+    }
+
+    #[test]
+    fn an_accepting_side_serves_what_the_peer_issues_and_issues_what_it_serves() {
+        // the peer offers 16 each way, we allow 8: 8 each way
+        assert_eq!(ReadDepth::accepting(8, depth(16, 16)), depth(8, 8));
+        // the peer allows fewer: we serve its initiator depth, issue its responder resources
+        assert_eq!(ReadDepth::accepting(8, depth(2, 4)), depth(4, 2));
+        // a peer that offers none still gets one each way: every connection pulls
+        assert_eq!(ReadDepth::accepting(8, depth(0, 0)), depth(1, 1));
+    }
+
+    #[test]
+    fn a_connecting_side_issues_no_more_than_the_peer_serves() {
+        assert_eq!(ReadDepth::connecting(8, depth(8, 8)), depth(8, 8));
+        assert_eq!(ReadDepth::connecting(8, depth(3, 8)), depth(8, 3));
+        assert_eq!(ReadDepth::connecting(8, depth(0, 8)), depth(8, 1));
     }
 }

@@ -93,7 +93,7 @@ impl RdmaOptions {
     /// `slot_size=N` (both sides must agree on these two), `srq_slots=N` (a server's shared
     /// receive queue), `push_up_to=N` or
     /// `rendezvous=pull|push` (see [`RdmaOptions::push_up_to`]), `max_fallback_bytes=N`,
-    /// `large_buffer_bytes=N`.
+    /// `large_buffer_bytes=N`, `read_depth=N` (1 to 255, see [`RdmaOptions::read_depth`]).
     /// Other options are ignored.
     pub fn from_endpoint(ep: &rpc_core::Endpoint) -> Result<RdmaOptions, RdmaError> {
         let mut o = RdmaOptions::default();
@@ -142,6 +142,16 @@ impl RdmaOptions {
                 }
                 "slot_size" => o.slot_size = num(k, v)? as usize,
                 "srq_slots" => o.srq_slots = num(k, v)? as usize,
+                "read_depth" => {
+                    o.read_depth = u8::try_from(num(k, v)?)
+                        .ok()
+                        .filter(|&d| d > 0)
+                        .ok_or_else(|| {
+                            RdmaError::InvalidArgument(format!(
+                                "endpoint option read_depth={v}: use 1 to 255"
+                            ))
+                        })?
+                }
                 _ => {}
             }
         }
@@ -1869,5 +1879,16 @@ mod tests {
         assert!(
             RdmaOptions::from_endpoint(&"rdma://h:1?busy_poll_max_us=x".parse().unwrap()).is_err()
         );
+    }
+
+    #[test]
+    fn read_depth_from_the_endpoint() {
+        assert_eq!(opts("").read_depth, crate::DEFAULT_READ_DEPTH);
+        assert_eq!(opts("read_depth=16").read_depth, 16);
+        for bad in ["0", "256", "x"] {
+            let ep: rpc_core::Endpoint = format!("rdma://h:1?read_depth={bad}").parse().unwrap();
+            let err = RdmaOptions::from_endpoint(&ep).expect_err(bad).to_string();
+            assert!(err.contains("read_depth"), "{bad}: {err}");
+        }
     }
 }

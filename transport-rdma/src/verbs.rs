@@ -1,11 +1,11 @@
 //! The only module of this crate with `unsafe` code: it owns every verbs and rdma_cm resource.
 //!
-//! Built on `sideway` (RAII wrappers over libibverbs/librdmacm, which `rdma-mummy-sys` loads with
+//! Built on `sideway` (RAII wrappers over libibverbs, which `rdma-mummy-sys` loads with
 //! `dlopen`), plus direct `rdma-mummy-sys` calls where sideway has gaps (arming a CQ, reading and
-//! acknowledging completion-channel events; shared receive queues; and queue pairs, which
+//! acknowledging completion-channel events; shared receive queues; queue pairs, which
 //! sideway 0.4.3 always creates without an SRQ, so `Qp` creates them with `ibv_create_qp` and
-//! posts with `ibv_post_send`/`ibv_post_recv`, using sideway only for the checked
-//! `ibv_modify_qp`).
+//! posts with `ibv_post_send`/`ibv_post_recv`; and all of rdma_cm, whose sideway wrapper fixes
+//! a connection's READ depth at 1, see `CmChannel`).
 //!
 //! Ownership (children hold an `Arc` of their parents, so drop order is always right):
 //! `CmChannel` <- `CmId`; `Device` (context + PD) <- `Cq` (CQ + completion channel) <- `Qp`;
@@ -29,22 +29,29 @@
 //!   posting a `PoolBuf` moves it into `Qp::inflight` (same rule as regions), and every buffer
 //!   holds an `Arc` of its `PoolRegion`, which deregisters its MR before freeing the memory.
 //!
-//! sideway panics on values it does not know (`From<u32>` for event types, transport types, QP
-//! states...). Those conversions are only called through [`guarded`], which turns a panic into
-//! an error value.
+//! sideway panics on values it does not know (`From<u32>` for transport types, QP states...).
+//! Those conversions are only called through [`guarded`], which turns a panic into an error
+//! value; rdma_cm event types are read as plain numbers here.
 
+use std::collections::HashMap;
 use std::mem::ManuallyDrop;
 use std::net::SocketAddr;
 use std::os::fd::{AsRawFd, RawFd};
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::ptr::NonNull;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, OnceLock, Weak};
 use std::time::Duration;
 
 use rdma_mummy_sys::{
-    ibv_qp, ibv_qp_cap, ibv_qp_init_attr, ibv_qp_type, ibv_recv_wr, ibv_send_flags, ibv_send_wr,
-    ibv_sge, ibv_srq, ibv_srq_attr, ibv_srq_init_attr, ibv_wr_opcode, rdma_t, wr_t,
+    ibv_access_flags, ibv_get_device_name, ibv_modify_qp, ibv_qp, ibv_qp_attr, ibv_qp_attr_mask,
+    ibv_qp_cap, ibv_qp_init_attr, ibv_qp_state, ibv_qp_type, ibv_query_qp, ibv_recv_wr,
+    ibv_send_flags, ibv_send_wr, ibv_sge, ibv_srq, ibv_srq_attr, ibv_srq_init_attr, ibv_wr_opcode,
+    rdma_accept, rdma_ack_cm_event, rdma_bind_addr, rdma_cm_event, rdma_cm_event_type, rdma_cm_id,
+    rdma_conn_param, rdma_connect, rdma_create_event_channel, rdma_create_id,
+    rdma_destroy_event_channel, rdma_destroy_id, rdma_disconnect, rdma_establish,
+    rdma_event_channel, rdma_get_cm_event, rdma_init_qp_attr, rdma_listen, rdma_port_space,
+    rdma_resolve_addr, rdma_resolve_route, rdma_t, wr_t,
 };
 use sideway::ibverbs::completion::{BasicCompletionQueue, CompletionChannel, CompletionQueue};
 use sideway::ibverbs::device::{DeviceInfo, DeviceList, TransportType};
@@ -55,11 +62,9 @@ use sideway::ibverbs::queue_pair::{
     BasicPostSendGuard, QueuePair, QueuePairAttribute, QueuePairState,
 };
 use sideway::ibverbs::AccessFlags;
-use sideway::rdmacm::communication_manager::{
-    ConnectionParameter, Event, EventChannel, EventType, GetEventErrorKind, Identifier, PortSpace,
-};
 
 use crate::error::RdmaError;
+use crate::ReadDepth;
 use rpc_core::ids::IdMap;
 
 /// Runs `f`, turning a panic inside sideway (unknown enum value) into an error.
@@ -132,13 +137,35 @@ pub(crate) fn list_devices() -> Result<Vec<(String, Transport)>, RdmaError> {
 
 // ------------------------------------------------------------------------------------------------
 // rdma_cm
+//
+// Called through rdma-mummy-sys directly, not through sideway's wrapper: sideway 0.4.3 fixes
+// the READ depth a connection negotiates at 1 (its `ConnectionParameter` has no setter for
+// responder resources and initiator depth, and its id and event pointers are private), and on
+// iWARP the connection manager sets the QP's READ limits from exactly those values, so an
+// iWARP connection could never have more than one RDMA READ in flight.
 
-/// An rdma_cm event channel (non-blocking; its fd goes into tokio's reactor).
+/// An rdma_cm event channel (non-blocking; its fd goes into tokio's reactor), with the ids made
+/// on it by address, so that an event reaches the id it is about.
 pub(crate) struct CmChannel {
-    ch: Arc<EventChannel>,
+    ch: NonNull<rdma_event_channel>,
+    ids: Mutex<HashMap<usize, Weak<RawCmId>>>,
 }
 
-/// What happened, in this crate's terms (no sideway type leaves this module).
+// SAFETY: librdmacm's calls on a channel may come from any thread (the channel is a file
+// descriptor; librdmacm locks its own state); the id table is behind a mutex.
+unsafe impl Send for CmChannel {}
+// SAFETY: as for `Send`: nothing here is touched without librdmacm's or our own lock.
+unsafe impl Sync for CmChannel {}
+
+impl Drop for CmChannel {
+    fn drop(&mut self) {
+        // SAFETY: every id made on the channel holds an `Arc` of it, so none is left; the channel
+        // is destroyed once, here.
+        unsafe { rdma_destroy_event_channel(self.ch.as_ptr()) };
+    }
+}
+
+/// What happened, in this crate's terms (no librdmacm type leaves this module).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum CmEventKind {
     AddrResolved,
@@ -157,21 +184,22 @@ pub(crate) enum CmEventKind {
     Other,
 }
 
-fn kind_of(t: EventType) -> CmEventKind {
+fn kind_of(t: rdma_cm_event_type::Type) -> CmEventKind {
+    use rdma_cm_event_type as t_;
     match t {
-        EventType::AddressResolved => CmEventKind::AddrResolved,
-        EventType::AddressError => CmEventKind::AddrError,
-        EventType::RouteResolved => CmEventKind::RouteResolved,
-        EventType::RouteError => CmEventKind::RouteError,
-        EventType::ConnectRequest => CmEventKind::ConnectRequest,
-        EventType::ConnectResponse => CmEventKind::ConnectResponse,
-        EventType::ConnectError => CmEventKind::ConnectError,
-        EventType::Unreachable => CmEventKind::Unreachable,
-        EventType::Rejected => CmEventKind::Rejected,
-        EventType::Established => CmEventKind::Established,
-        EventType::Disconnected => CmEventKind::Disconnected,
-        EventType::DeviceRemoval => CmEventKind::DeviceRemoval,
-        EventType::TimewaitExit => CmEventKind::TimewaitExit,
+        t_::RDMA_CM_EVENT_ADDR_RESOLVED => CmEventKind::AddrResolved,
+        t_::RDMA_CM_EVENT_ADDR_ERROR => CmEventKind::AddrError,
+        t_::RDMA_CM_EVENT_ROUTE_RESOLVED => CmEventKind::RouteResolved,
+        t_::RDMA_CM_EVENT_ROUTE_ERROR => CmEventKind::RouteError,
+        t_::RDMA_CM_EVENT_CONNECT_REQUEST => CmEventKind::ConnectRequest,
+        t_::RDMA_CM_EVENT_CONNECT_RESPONSE => CmEventKind::ConnectResponse,
+        t_::RDMA_CM_EVENT_CONNECT_ERROR => CmEventKind::ConnectError,
+        t_::RDMA_CM_EVENT_UNREACHABLE => CmEventKind::Unreachable,
+        t_::RDMA_CM_EVENT_REJECTED => CmEventKind::Rejected,
+        t_::RDMA_CM_EVENT_ESTABLISHED => CmEventKind::Established,
+        t_::RDMA_CM_EVENT_DISCONNECTED => CmEventKind::Disconnected,
+        t_::RDMA_CM_EVENT_DEVICE_REMOVAL => CmEventKind::DeviceRemoval,
+        t_::RDMA_CM_EVENT_TIMEWAIT_EXIT => CmEventKind::TimewaitExit,
         _ => CmEventKind::Other,
     }
 }
@@ -184,52 +212,190 @@ pub(crate) struct CmEvent {
     pub(crate) id: Option<CmId>,
     /// for `ConnectRequest`: the listening id
     pub(crate) listener: Option<CmId>,
+    /// the peer's READ depths (connect request: its offer; connect response and established:
+    /// its answer)
+    pub(crate) peer: Option<ReadDepth>,
 }
 
-/// Where the events of one id are delivered (stored in the id's user context).
+/// Where the events of one id are delivered.
 pub(crate) type CmRoute = tokio::sync::mpsc::UnboundedSender<CmEvent>;
+
+/// A librdmacm call's result: 0, or -1 with errno set.
+fn cm_result(op: &'static str, ret: i32) -> Result<(), RdmaError> {
+    if ret == 0 {
+        Ok(())
+    } else {
+        Err(RdmaError::Verbs {
+            op,
+            source: Box::new(std::io::Error::last_os_error()),
+        })
+    }
+}
+
+/// A socket address in the C layout librdmacm reads.
+enum OsAddr {
+    V4(libc::sockaddr_in),
+    V6(libc::sockaddr_in6),
+}
+
+impl OsAddr {
+    fn new(addr: SocketAddr) -> OsAddr {
+        match addr {
+            SocketAddr::V4(a) => OsAddr::V4(libc::sockaddr_in {
+                sin_family: libc::AF_INET as libc::sa_family_t,
+                sin_port: a.port().to_be(),
+                sin_addr: libc::in_addr {
+                    s_addr: u32::from(*a.ip()).to_be(),
+                },
+                sin_zero: [0; 8],
+            }),
+            SocketAddr::V6(a) => OsAddr::V6(libc::sockaddr_in6 {
+                sin6_family: libc::AF_INET6 as libc::sa_family_t,
+                sin6_port: a.port().to_be(),
+                sin6_flowinfo: a.flowinfo().to_be(),
+                sin6_addr: libc::in6_addr {
+                    s6_addr: a.ip().octets(),
+                },
+                sin6_scope_id: a.scope_id(),
+            }),
+        }
+    }
+
+    fn as_mut_ptr(&mut self) -> *mut libc::sockaddr {
+        match self {
+            OsAddr::V4(a) => (a as *mut libc::sockaddr_in).cast(),
+            OsAddr::V6(a) => (a as *mut libc::sockaddr_in6).cast(),
+        }
+    }
+}
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
 
 impl CmChannel {
     pub(crate) fn new() -> Result<Arc<CmChannel>, RdmaError> {
-        let ch = EventChannel::new().map_err(|e| {
+        // SAFETY: no arguments; returns a channel we own, or null with errno set (also when
+        // librdmacm could not be loaded).
+        let raw = unsafe { rdma_create_event_channel() };
+        let ch = NonNull::new(raw).ok_or_else(|| {
             RdmaError::Unavailable(format!(
-                "cannot open an rdma_cm event channel (is librdmacm installed and /dev/infiniband/rdma_cm present?): {e}"
+                "cannot open an rdma_cm event channel (is librdmacm installed and /dev/infiniband/rdma_cm present?): {}",
+                std::io::Error::last_os_error()
             ))
         })?;
-        ch.set_nonblocking(true)
-            .map_err(verbs_err("rdma_cm channel O_NONBLOCK"))?;
-        Ok(Arc::new(CmChannel { ch }))
+        let ch = Arc::new(CmChannel {
+            ch,
+            ids: Mutex::default(),
+        });
+        let fd = ch.as_raw_fd();
+        // SAFETY: `fd` is the channel's open descriptor; F_GETFL/F_SETFL only change its flags.
+        let ok = unsafe {
+            let flags = libc::fcntl(fd, libc::F_GETFL);
+            flags >= 0 && libc::fcntl(fd, libc::F_SETFL, flags | libc::O_NONBLOCK) == 0
+        };
+        if !ok {
+            return Err(RdmaError::Verbs {
+                op: "rdma_cm channel O_NONBLOCK",
+                source: Box::new(std::io::Error::last_os_error()),
+            });
+        }
+        Ok(ch)
     }
 
-    pub(crate) fn create_id(&self) -> Result<CmId, RdmaError> {
-        let id = self
-            .ch
-            .create_id(PortSpace::Tcp)
-            .map_err(verbs_err("rdma_create_id"))?;
-        Ok(CmId { id })
+    pub(crate) fn create_id(self: &Arc<Self>) -> Result<CmId, RdmaError> {
+        let mut raw: *mut rdma_cm_id = std::ptr::null_mut();
+        // SAFETY: the channel is live (`self`); the call writes the new id to `raw`.
+        let ret = unsafe {
+            rdma_create_id(
+                self.ch.as_ptr(),
+                &mut raw,
+                std::ptr::null_mut(),
+                rdma_port_space::RDMA_PS_TCP,
+            )
+        };
+        cm_result("rdma_create_id", ret)?;
+        self.adopt(raw).ok_or(RdmaError::Verbs {
+            op: "rdma_create_id",
+            source: "no id returned".into(),
+        })
+    }
+
+    /// Takes ownership of `raw`, an id of this channel (destroyed with the returned id's last
+    /// clone), and records it for routing its events.
+    fn adopt(self: &Arc<Self>, raw: *mut rdma_cm_id) -> Option<CmId> {
+        let id = Arc::new(RawCmId {
+            id: NonNull::new(raw)?,
+            route: Mutex::new(None),
+            channel: Arc::clone(self),
+        });
+        lock(&self.ids).insert(raw as usize, Arc::downgrade(&id));
+        Some(CmId { id })
+    }
+
+    /// The live id at `raw`, if it is one of ours.
+    fn find(&self, raw: *mut rdma_cm_id) -> Option<CmId> {
+        let id = lock(&self.ids).get(&(raw as usize))?.upgrade()?;
+        Some(CmId { id })
     }
 
     /// The next event, or `None` when none is pending. The event is acknowledged before return.
-    pub(crate) fn next_event(&self) -> Result<Option<CmEvent>, RdmaError> {
-        let ev: Event = match self.ch.get_cm_event() {
-            Ok(ev) => ev,
-            Err(e) if matches!(e.0, GetEventErrorKind::NoEvent) => return Ok(None),
-            Err(e) => {
-                return Err(RdmaError::Verbs {
-                    op: "rdma_get_cm_event",
-                    source: Box::new(e),
-                })
+    pub(crate) fn next_event(self: &Arc<Self>) -> Result<Option<CmEvent>, RdmaError> {
+        let mut ev: *mut rdma_cm_event = std::ptr::null_mut();
+        // SAFETY: the channel is live; it is non-blocking, so the call returns at once, writing
+        // an event we must acknowledge to `ev` on success.
+        let ret = unsafe { rdma_get_cm_event(self.ch.as_ptr(), &mut ev) };
+        if ret != 0 {
+            let e = std::io::Error::last_os_error();
+            if e.kind() == std::io::ErrorKind::WouldBlock {
+                return Ok(None);
+            }
+            return Err(RdmaError::Verbs {
+                op: "rdma_get_cm_event",
+                source: Box::new(e),
+            });
+        }
+        let out = {
+            // SAFETY: on success `ev` points to an event librdmacm keeps until it is
+            // acknowledged below; it is only read, and nothing read from it borrows it.
+            let e = unsafe { &*ev };
+            let kind = kind_of(e.event);
+            let peer = matches!(
+                kind,
+                CmEventKind::ConnectRequest
+                    | CmEventKind::ConnectResponse
+                    | CmEventKind::Established
+            )
+            .then(|| {
+                // SAFETY: for these events of a connected (RDMA_PS_TCP) id, `conn` is the member
+                // of the parameter union librdmacm filled in.
+                let p = unsafe { e.param.conn };
+                ReadDepth {
+                    responder: p.responder_resources,
+                    initiator: p.initiator_depth,
+                }
+            });
+            // a connect request brings a new id, ours from now on (rejected when dropped)
+            let id = if kind == CmEventKind::ConnectRequest {
+                self.adopt(e.id)
+            } else {
+                self.find(e.id)
+            };
+            CmEvent {
+                kind,
+                status: e.status,
+                id,
+                listener: self.find(e.listen_id),
+                peer,
             }
         };
-        let kind = guarded("rdma_cm_event.event", || kind_of(ev.event_type()));
-        let out = CmEvent {
-            kind: kind.unwrap_or(CmEventKind::Other),
-            status: ev.status(),
-            id: ev.cm_id().map(|id| CmId { id }),
-            listener: ev.listener_id().map(|id| CmId { id }),
-        };
-        if let Err(e) = ev.ack() {
-            tracing::warn!("rdma_ack_cm_event failed: {e}");
+        // SAFETY: `ev` came from rdma_get_cm_event and is acknowledged exactly once; nothing
+        // uses it afterwards.
+        if unsafe { rdma_ack_cm_event(ev) } != 0 {
+            tracing::warn!(
+                "rdma_ack_cm_event failed: {}",
+                std::io::Error::last_os_error()
+            );
         }
         Ok(Some(out))
     }
@@ -237,157 +403,258 @@ impl CmChannel {
 
 impl AsRawFd for CmChannel {
     fn as_raw_fd(&self) -> RawFd {
-        self.ch.as_raw_fd()
+        // SAFETY: the channel is live; `fd` is a plain field librdmacm set at creation.
+        unsafe { (*self.ch.as_ptr()).fd }
+    }
+}
+
+/// An owned `rdma_cm_id`, destroyed with its last `CmId`.
+struct RawCmId {
+    id: NonNull<rdma_cm_id>,
+    route: Mutex<Option<CmRoute>>,
+    /// the channel outlives its ids
+    channel: Arc<CmChannel>,
+}
+
+// SAFETY: librdmacm's calls on an id may come from any thread (each is a command written to the
+// channel's descriptor, serialised by the kernel); our own state is behind a mutex.
+unsafe impl Send for RawCmId {}
+// SAFETY: as for `Send`.
+unsafe impl Sync for RawCmId {}
+
+impl Drop for RawCmId {
+    fn drop(&mut self) {
+        lock(&self.channel.ids).remove(&(self.id.as_ptr() as usize));
+        // SAFETY: the id is ours (created or adopted once) and no QP was made through it; every
+        // event about it was acknowledged before `next_event` returned, so this does not wait;
+        // nothing uses the pointer afterwards. An incoming connection never accepted is
+        // rejected by this.
+        if unsafe { rdma_destroy_id(self.id.as_ptr()) } != 0 {
+            tracing::debug!(
+                "rdma_destroy_id failed: {}",
+                std::io::Error::last_os_error()
+            );
+        }
     }
 }
 
 /// An rdma_cm identifier (like a socket). Cheap to clone; destroyed with its last clone.
 #[derive(Clone)]
 pub(crate) struct CmId {
-    id: Arc<Identifier>,
+    id: Arc<RawCmId>,
 }
 
-/// Responder resources and initiator depth of every connection (RDMA READs in flight).
-const CM_RESOURCES: u8 = 1;
+fn conn_param(qp: &Qp, depth: ReadDepth) -> rdma_conn_param {
+    rdma_conn_param {
+        private_data: std::ptr::null(),
+        private_data_len: 0,
+        responder_resources: depth.responder,
+        initiator_depth: depth.initiator,
+        flow_control: 0,
+        // retry 7, RNR retry 7 (infinite)
+        retry_count: 7,
+        rnr_retry_count: 7,
+        srq: 0,
+        qp_num: qp.qp_num(),
+    }
+}
 
-fn conn_param(qp_num: u32) -> ConnectionParameter {
-    // default(): responder resources 1 / initiator depth 1 (new() sets 0 and RDMA READ breaks),
-    // retry 7, RNR retry 7 (infinite)
-    let mut p = ConnectionParameter::default();
-    p.setup_qp_number(qp_num);
-    p
+fn timeout_ms(t: Duration) -> i32 {
+    i32::try_from(t.min(Duration::from_secs(60)).as_millis()).unwrap_or(60_000)
 }
 
 impl CmId {
-    /// Delivers this id's future events to `route`.
-    pub(crate) fn set_route(&self, route: CmRoute) {
-        self.id.setup_context(route);
+    fn raw(&self) -> *mut rdma_cm_id {
+        self.id.id.as_ptr()
     }
 
-    pub(crate) fn route(&self) -> Option<Arc<CmRoute>> {
-        self.id.get_context::<CmRoute>()
+    /// Delivers this id's future events to `route`.
+    pub(crate) fn set_route(&self, route: CmRoute) {
+        *lock(&self.id.route) = Some(route);
+    }
+
+    pub(crate) fn route(&self) -> Option<CmRoute> {
+        lock(&self.id.route).clone()
     }
 
     pub(crate) fn bind(&self, addr: SocketAddr) -> Result<(), RdmaError> {
-        self.id.bind_addr(addr).map_err(verbs_err("rdma_bind_addr"))
+        let mut sa = OsAddr::new(addr);
+        // SAFETY: the id is live; `sa` is a valid socket address the call only reads.
+        cm_result("rdma_bind_addr", unsafe {
+            rdma_bind_addr(self.raw(), sa.as_mut_ptr())
+        })
     }
 
     pub(crate) fn listen(&self, backlog: i32) -> Result<(), RdmaError> {
-        self.id.listen(backlog).map_err(verbs_err("rdma_listen"))
+        // SAFETY: the id is live.
+        cm_result("rdma_listen", unsafe { rdma_listen(self.raw(), backlog) })
     }
 
     pub(crate) fn resolve_addr(&self, dst: SocketAddr, timeout: Duration) -> Result<(), RdmaError> {
-        let timeout = timeout.min(Duration::from_secs(60));
-        self.id
-            .resolve_addr(None, dst, timeout)
-            .map_err(verbs_err("rdma_resolve_addr"))
+        let mut sa = OsAddr::new(dst);
+        // SAFETY: the id is live; `sa` is a valid socket address the call only reads; no source
+        // address (null).
+        cm_result("rdma_resolve_addr", unsafe {
+            rdma_resolve_addr(
+                self.raw(),
+                std::ptr::null_mut(),
+                sa.as_mut_ptr(),
+                timeout_ms(timeout),
+            )
+        })
     }
 
     pub(crate) fn resolve_route(&self, timeout: Duration) -> Result<(), RdmaError> {
-        let timeout = timeout.min(Duration::from_secs(60));
-        self.id
-            .resolve_route(timeout)
-            .map_err(verbs_err("rdma_resolve_route"))
+        // SAFETY: the id is live.
+        cm_result("rdma_resolve_route", unsafe {
+            rdma_resolve_route(self.raw(), timeout_ms(timeout))
+        })
     }
 
-    pub(crate) fn connect(&self, qp: &Qp) -> Result<(), RdmaError> {
-        self.id
-            .connect(conn_param(qp.qp_num()))
-            .map_err(verbs_err("rdma_connect"))
+    /// Asks the peer to connect `qp`, offering `depth` READs each way.
+    pub(crate) fn connect(&self, qp: &Qp, depth: u8) -> Result<(), RdmaError> {
+        let mut p = conn_param(
+            qp,
+            ReadDepth {
+                responder: depth,
+                initiator: depth,
+            },
+        );
+        // SAFETY: the id is live; `p` is a complete parameter block (no private data) that the
+        // call only reads.
+        cm_result("rdma_connect", unsafe { rdma_connect(self.raw(), &mut p) })
     }
 
-    pub(crate) fn accept(&self, qp: &Qp) -> Result<(), RdmaError> {
-        self.id
-            .accept(conn_param(qp.qp_num()))
-            .map_err(verbs_err("rdma_accept"))
+    /// Accepts the connection this (incoming) id stands for, with `qp` and `depth`.
+    pub(crate) fn accept(&self, qp: &Qp, depth: ReadDepth) -> Result<(), RdmaError> {
+        let mut p = conn_param(qp, depth);
+        // SAFETY: as in `connect`.
+        cm_result("rdma_accept", unsafe { rdma_accept(self.raw(), &mut p) })
     }
 
     pub(crate) fn establish(&self) -> Result<(), RdmaError> {
-        self.id.establish().map_err(verbs_err("rdma_establish"))
+        // SAFETY: the id is live.
+        cm_result("rdma_establish", unsafe { rdma_establish(self.raw()) })
     }
 
     pub(crate) fn disconnect(&self) -> Result<(), RdmaError> {
-        self.id.disconnect().map_err(verbs_err("rdma_disconnect"))
+        // SAFETY: the id is live.
+        cm_result("rdma_disconnect", unsafe { rdma_disconnect(self.raw()) })
     }
 
     /// The name of the device this id is bound to.
     pub(crate) fn device_name(&self) -> Result<String, RdmaError> {
-        let ctx = self.id.get_device_context().ok_or_else(|| {
-            RdmaError::Unavailable("the rdma_cm id is not bound to an RDMA device".into())
-        })?;
-        Ok(ctx.name())
+        // SAFETY: the id is live; `verbs` is set by librdmacm once the id is bound to a device
+        // (null before).
+        let verbs = unsafe { (*self.raw()).verbs };
+        if verbs.is_null() {
+            return Err(RdmaError::Unavailable(
+                "the rdma_cm id is not bound to an RDMA device".into(),
+            ));
+        }
+        // SAFETY: `verbs` is the device context librdmacm keeps open while the id lives; the
+        // device's name is a NUL-terminated string owned by the device, copied out at once.
+        let name = unsafe { std::ffi::CStr::from_ptr(ibv_get_device_name((*verbs).device)) };
+        Ok(name.to_string_lossy().into_owned())
     }
 
     /// The device this id is bound to (after bind to a device address, address resolution, or
     /// for an incoming connection), with a fresh protection domain.
     pub(crate) fn device(&self) -> Result<Arc<Device>, RdmaError> {
-        let ctx = self.id.get_device_context().ok_or_else(|| {
-            RdmaError::Unavailable("the rdma_cm id is not bound to an RDMA device".into())
-        })?;
-        Device::new(ctx)
+        Device::new(open_device(&self.device_name()?)?)
     }
 
-    /// Moves `qp` to `state` with the attributes rdma_cm computes for this connection.
-    /// `passive`: the accepting side (InfiniBand/RoCE only; iWARP's CM moves the QP itself).
-    pub(crate) fn modify_qp(
-        &self,
-        qp: &Qp,
-        state: CmQpState,
-        passive: bool,
-    ) -> Result<(), RdmaError> {
-        let st = match state {
-            CmQpState::Init => QueuePairState::Init,
-            CmQpState::ReadyToReceive => QueuePairState::ReadyToReceive,
-            CmQpState::ReadyToSend => QueuePairState::ReadyToSend,
+    /// Moves `qp` to `state` with the attributes rdma_cm computes for this connection, and the
+    /// READ depths negotiated (InfiniBand/RoCE; iWARP's CM moves the QP itself).
+    pub(crate) fn modify_qp(&self, qp: &Qp, state: CmQpState) -> Result<(), RdmaError> {
+        // SAFETY: an all-zero `ibv_qp_attr` is a valid value (plain integers and structs of
+        // them).
+        let mut attr: ibv_qp_attr = unsafe { std::mem::zeroed() };
+        attr.qp_state = match state {
+            CmQpState::Init => ibv_qp_state::IBV_QPS_INIT,
+            CmQpState::ReadyToReceive(_) => ibv_qp_state::IBV_QPS_RTR,
+            CmQpState::ReadyToSend(_) => ibv_qp_state::IBV_QPS_RTS,
         };
-        let mut attr = self
-            .id
-            .get_qp_attr(st)
-            .map_err(verbs_err("rdma_init_qp_attr"))?;
+        let mut mask: i32 = 0;
+        // SAFETY: the id is live; the call fills in `attr` and `mask` for `attr.qp_state`.
+        cm_result("rdma_init_qp_attr", unsafe {
+            rdma_init_qp_attr(self.raw(), &mut attr, &mut mask)
+        })?;
         // InfiniBand/RoCE: the kernel derives the READ limits and the access flags from what it
         // knows of the negotiation at that moment; on the passive side RTR/RTS come before
         // rdma_accept (so 0: no RDMA READ from that side; librdmacm's own rdma_accept sets
         // them by hand too), and we saw READs rejected as invalid requests on rxe. Set what
-        // `conn_param` promises, on both sides: one READ in flight each way, READ and WRITE
-        // allowed (memory is still guarded by each MR's keys). iWARP's CM moves the QP itself.
+        // was negotiated, on both sides, and READ and WRITE allowed (memory is still guarded
+        // by each MR's keys). iWARP's CM moves the QP itself.
         if qp.device.transport != Transport::IWarp {
-            let remote =
-                AccessFlags::LocalWrite | AccessFlags::RemoteWrite | AccessFlags::RemoteRead;
+            let remote = ibv_access_flags::IBV_ACCESS_LOCAL_WRITE.0
+                | ibv_access_flags::IBV_ACCESS_REMOTE_WRITE.0
+                | ibv_access_flags::IBV_ACCESS_REMOTE_READ.0;
+            let flag = |m: ibv_qp_attr_mask| m.0 as i32;
             match state {
                 CmQpState::Init => {
-                    attr.setup_access_flags(remote);
+                    attr.qp_access_flags = remote;
+                    mask |= flag(ibv_qp_attr_mask::IBV_QP_ACCESS_FLAGS);
                 }
-                CmQpState::ReadyToReceive => {
-                    attr.setup_access_flags(remote);
-                    attr.setup_max_dest_read_atomic(CM_RESOURCES);
+                CmQpState::ReadyToReceive(depth) => {
+                    attr.qp_access_flags = remote;
+                    attr.max_dest_rd_atomic = depth.responder;
+                    mask |= flag(ibv_qp_attr_mask::IBV_QP_ACCESS_FLAGS)
+                        | flag(ibv_qp_attr_mask::IBV_QP_MAX_DEST_RD_ATOMIC);
                 }
-                CmQpState::ReadyToSend => {
-                    attr.setup_max_read_atomic(CM_RESOURCES);
+                CmQpState::ReadyToSend(depth) => {
+                    attr.max_rd_atomic = depth.initiator;
+                    mask |= flag(ibv_qp_attr_mask::IBV_QP_MAX_QP_RD_ATOMIC);
                 }
             }
         }
-        let _ = passive;
-        qp.modify(&attr, "ibv_modify_qp (rdma_cm attributes)")
+        qp.modify_raw(&mut attr, mask, "ibv_modify_qp (rdma_cm attributes)")
     }
 }
 
-/// QP states reached with rdma_cm's attributes.
+/// The device contexts this process opened, by device name: one per device, kept for the
+/// process's life (rdma_cm opens its own; a QP made in ours is connected by its number).
+fn open_device(name: &str) -> Result<Arc<DeviceContext>, RdmaError> {
+    static OPENED: OnceLock<Mutex<HashMap<String, Arc<DeviceContext>>>> = OnceLock::new();
+    let mut opened = lock(OPENED.get_or_init(Mutex::default));
+    if let Some(ctx) = opened.get(name) {
+        return Ok(Arc::clone(ctx));
+    }
+    let list = DeviceList::new().map_err(|e| {
+        RdmaError::Unavailable(format!(
+            "cannot list RDMA devices (is rdma-core's libibverbs installed?): {e}"
+        ))
+    })?;
+    let dev = list
+        .iter()
+        .find(|d| d.name() == name)
+        .ok_or_else(|| RdmaError::Unavailable(format!("RDMA device {name} not found")))?;
+    let ctx = dev.open().map_err(verbs_err("ibv_open_device"))?;
+    opened.insert(name.to_string(), Arc::clone(&ctx));
+    Ok(ctx)
+}
+
+/// QP states reached with rdma_cm's attributes (and the READ depths negotiated).
 #[derive(Debug, Clone, Copy)]
 pub(crate) enum CmQpState {
     Init,
-    ReadyToReceive,
-    ReadyToSend,
+    ReadyToReceive(ReadDepth),
+    ReadyToSend(ReadDepth),
 }
 
 // ------------------------------------------------------------------------------------------------
 // device, CQ, QP
 
-/// An opened device (the context is shared with rdma_cm) and a protection domain on it.
+/// An opened device (this process's context of it, see `open_device`) and a protection domain
+/// on it.
 pub(crate) struct Device {
     pd: Arc<ProtectionDomain>,
     ctx: Arc<DeviceContext>,
     name: String,
     transport: Transport,
+    /// the most RDMA READs a QP of this device may have in flight each way (the smaller of the
+    /// device's initiator and responder limits, at most 255)
+    max_read_depth: u8,
 }
 
 impl Device {
@@ -396,13 +663,24 @@ impl Device {
         let transport = guarded("ibv_device.transport_type", || {
             transport_of(ctx.transport_type())
         })?;
+        let attr = ctx.query_device().map_err(verbs_err("ibv_query_device"))?;
+        let max_read_depth = attr
+            .max_qp_rd_atom()
+            .min(attr.max_qp_init_rd_atom())
+            .clamp(1, i32::from(u8::MAX));
         let pd = ctx.alloc_pd().map_err(verbs_err("ibv_alloc_pd"))?;
         Ok(Arc::new(Device {
             pd,
             ctx,
             name,
             transport,
+            max_read_depth: u8::try_from(max_read_depth).unwrap_or(1),
         }))
+    }
+
+    /// The most RDMA READs a connection on this device may have in flight each way.
+    pub(crate) fn max_read_depth(&self) -> u8 {
+        self.max_read_depth
     }
 
     pub(crate) fn name(&self) -> &str {
@@ -836,6 +1114,40 @@ impl Qp {
 
     pub(crate) fn device(&self) -> &Arc<Device> {
         &self.device
+    }
+
+    /// `ibv_modify_qp` with an attribute block and mask built here (for rdma_cm's attributes,
+    /// which sideway's `QueuePairAttribute` cannot be made from).
+    fn modify_raw(
+        &self,
+        attr: &mut ibv_qp_attr,
+        mask: i32,
+        op: &'static str,
+    ) -> Result<(), RdmaError> {
+        let _serial = self.modify_lock.lock().unwrap_or_else(|p| p.into_inner());
+        // SAFETY: the QP is live (owned by `self`); `attr` is a fully initialised attribute
+        // block (from rdma_init_qp_attr) that the call only reads, for the fields in `mask`.
+        errno_result(op, unsafe {
+            ibv_modify_qp(self.qp.qp.as_ptr(), attr, mask)
+        })
+    }
+
+    /// The READ depths the QP has now (what the connection negotiated; on iWARP, what the
+    /// connection manager set).
+    pub(crate) fn read_depth(&self) -> Result<ReadDepth, RdmaError> {
+        // SAFETY: all-zero attribute blocks are valid values (plain integers and structs of
+        // them).
+        let (mut attr, mut init): (ibv_qp_attr, ibv_qp_init_attr) =
+            unsafe { (std::mem::zeroed(), std::mem::zeroed()) };
+        let mask = ibv_qp_attr_mask::IBV_QP_MAX_QP_RD_ATOMIC.0
+            | ibv_qp_attr_mask::IBV_QP_MAX_DEST_RD_ATOMIC.0;
+        // SAFETY: the QP is live; the call only writes the two blocks.
+        let ret = unsafe { ibv_query_qp(self.qp.qp.as_ptr(), &mut attr, mask as i32, &mut init) };
+        errno_result("ibv_query_qp", ret)?;
+        Ok(ReadDepth {
+            responder: attr.max_dest_rd_atomic,
+            initiator: attr.max_rd_atomic,
+        })
     }
 
     fn modify(&self, attr: &QueuePairAttribute, op: &'static str) -> Result<(), RdmaError> {

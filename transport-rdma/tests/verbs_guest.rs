@@ -242,3 +242,44 @@ async fn rdma_write_and_read_4mib_verified() {
     .await
     .expect("test timed out");
 }
+
+/// rdma_cm negotiates the READ depth: both QPs of a connection get the smaller of the two
+/// sides' `read_depth` (within the device's limit; rxe and siw allow 128), so several RDMA
+/// READs can be in flight at once. siw reports its two limits the other way round from
+/// InfiniBand (`max_rd_atomic` is its inbound queue), so the cases here are symmetric; rxe
+/// rounds a depth up to a power of two (3 becomes 4), so they are powers of two.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn read_depth_is_negotiated() {
+    let (dev, addr) = target(20_013);
+    tokio::time::timeout(LIMIT, async move {
+        let both = |n| transport_rdma::ReadDepth {
+            responder: n,
+            initiator: n,
+        };
+        // the defaults on both sides
+        let (server, client) = pair(addr, RdmaOptions::default()).await;
+        let want = both(transport_rdma::DEFAULT_READ_DEPTH);
+        assert_eq!(server.read_depth().expect("server QP"), want, "server");
+        assert_eq!(client.read_depth().expect("client QP"), want, "client");
+        client.close();
+        drop((server, client));
+        // a client that asks for fewer: the server answers with as many
+        let addr = SocketAddr::new(addr.ip(), addr.port() + 1);
+        let listener = RdmaListener::bind(addr, RdmaOptions::default()).expect("bind/listen");
+        let few = RdmaOptions {
+            read_depth: 2,
+            ..RdmaOptions::default()
+        };
+        let (server, client) = tokio::join!(listener.accept(), RdmaConnection::connect(addr, few));
+        let (server, client) = (server.expect("accept"), client.expect("connect"));
+        assert_eq!(server.read_depth().expect("server QP"), both(2), "server");
+        assert_eq!(client.read_depth().expect("client QP"), both(2), "client");
+        println!(
+            "device {dev}: READ depth negotiated: defaults {want:?}, client asking 2 {:?}",
+            client.read_depth()
+        );
+        client.close();
+    })
+    .await
+    .expect("test timed out");
+}
