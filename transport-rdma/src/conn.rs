@@ -92,6 +92,8 @@ struct Shared {
     /// one-sided operations (RDMA READ/WRITE) in flight: the send queue has room for
     /// `ONE_SIDED` of them beside the SEND slots
     one_sided_permits: Semaphore,
+    /// the bytes of one-sided operations in flight, at most (see `one_sided_places`)
+    inflight_bytes: u64,
     slot_size: usize,
     /// receive slots (local access only)
     slots: Arc<PoolRegion>,
@@ -584,17 +586,12 @@ pub(crate) type Receiver = Box<dyn Fn(Result<Option<bytes::Bytes>, RdmaError>) +
 /// RDMA READs/WRITEs in flight at once per connection (send-queue places beside the SENDs).
 const ONE_SIDED: usize = 8;
 
-/// The bytes of one-sided transfers a connection has in flight: each takes one of the
-/// `ONE_SIDED` places per this many bytes (at least one, at most all), so that up to eight
-/// 1 MiB READs go at once, four of 4 MiB, one of 16 MiB or more. Several 16 MiB READs in flight
-/// at once moved half as many bytes per second on siw as one at a time (guest A/B, 2026-12-01,
-/// 3 rounds: 101-117 against 201-240 MB/s, where 1 MiB READs gained), and more bytes in flight
-/// than fill the link only hold registered memory longer.
-const ONE_SIDED_BYTES_PER_PLACE: usize = 2 << 20;
-
-/// How many of the `ONE_SIDED` places a one-sided transfer of `len` bytes takes.
-fn one_sided_places(len: usize) -> u32 {
-    len.div_ceil(ONE_SIDED_BYTES_PER_PLACE).clamp(1, ONE_SIDED) as u32
+/// How many of the `ONE_SIDED` places a one-sided transfer of `len` bytes takes when a
+/// connection keeps at most `inflight_bytes` of them in flight ([`RdmaOptions::inflight_bytes`]):
+/// one place per `inflight_bytes / ONE_SIDED` bytes, at least one, at most all.
+fn one_sided_places(len: usize, inflight_bytes: u64) -> u32 {
+    let per_place = (inflight_bytes / ONE_SIDED as u64).max(1);
+    (len as u64).div_ceil(per_place).clamp(1, ONE_SIDED as u64) as u32
 }
 
 /// A connected RDMA reliable connection (RC queue pair set up with rdma_cm).
@@ -827,6 +824,7 @@ impl RdmaConnection {
             send_pool: Mutex::new(Vec::with_capacity(send_slots)),
             send_permits: Arc::new(Semaphore::new(send_slots)),
             one_sided_permits: Semaphore::new(ONE_SIDED),
+            inflight_bytes: opts.inflight_bytes,
             slot_size: opts.slot_size,
             slots,
             read_bufs: Mutex::new(None),
@@ -925,7 +923,7 @@ impl RdmaConnection {
     }
 
     /// A place in the send queue for one RDMA READ or WRITE of `len` bytes (and its share of
-    /// the bytes in flight, see `ONE_SIDED_BYTES_PER_PLACE`), held until its completion. A
+    /// the bytes in flight, see `one_sided_places`), held until its completion. A
     /// waiter dropped early gives its place back while the request may still be queued: the
     /// send queue has `ONE_SIDED` further places for such stragglers.
     async fn one_sided_permit(
@@ -934,7 +932,7 @@ impl RdmaConnection {
     ) -> Result<tokio::sync::SemaphorePermit<'_>, RdmaError> {
         self.shared
             .one_sided_permits
-            .acquire_many(one_sided_places(len))
+            .acquire_many(one_sided_places(len, self.shared.inflight_bytes))
             .await
             .map_err(|_| RdmaError::Closed(None))
     }
@@ -2125,21 +2123,27 @@ mod tests {
 
     #[test]
     fn one_sided_places_bound_the_bytes_in_flight() {
-        assert_eq!(one_sided_places(0), 1);
-        assert_eq!(one_sided_places(1 << 20), 1, "eight 1 MiB READs at once");
-        assert_eq!(one_sided_places(2 << 20), 1);
-        assert_eq!(one_sided_places((2 << 20) + 1), 2);
-        assert_eq!(one_sided_places(4 << 20), 2, "four 4 MiB READs at once");
+        let budget = 16 << 20;
+        assert_eq!(one_sided_places(0, budget), 1);
         assert_eq!(
-            one_sided_places(16 << 20),
-            ONE_SIDED as u32,
-            "one 16 MiB READ"
+            one_sided_places(1 << 20, budget),
+            1,
+            "eight 1 MiB READs at once"
         );
+        assert_eq!(one_sided_places(2 << 20, budget), 1);
+        assert_eq!(one_sided_places((2 << 20) + 1, budget), 2);
         assert_eq!(
-            one_sided_places(1 << 30),
-            ONE_SIDED as u32,
-            "never more than all"
+            one_sided_places(4 << 20, budget),
+            2,
+            "four 4 MiB READs at once"
         );
+        assert_eq!(one_sided_places(16 << 20, budget), 8, "one 16 MiB READ");
+        assert_eq!(one_sided_places(1 << 30, budget), 8, "never more than all");
+        // twice the budget: two 16 MiB READs at once
+        assert_eq!(one_sided_places(16 << 20, 2 * budget), 4);
+        // a budget below the places still gives each transfer a place
+        assert_eq!(one_sided_places(1 << 20, 1), 8);
+        assert_eq!(one_sided_places(1, 0), 1);
     }
 
     use super::*;

@@ -247,6 +247,10 @@ impl ReadDepth {
     }
 }
 
+/// The default of [`RdmaOptions::inflight_bytes`]: 16 MiB of RDMA READs and WRITEs in flight
+/// per connection (one 16 MiB transfer, four of 4 MiB, eight of 1 MiB).
+pub const DEFAULT_INFLIGHT_BYTES: u64 = 16 << 20;
+
 /// Tuning of a connection.
 #[derive(Debug, Clone)]
 pub struct RdmaOptions {
@@ -307,6 +311,12 @@ pub struct RdmaOptions {
     /// devices' limits (at least 1). A receiver pulls several large payloads at once only
     /// with a depth above 1.
     pub read_depth: u8,
+    /// The most bytes of RDMA READs and WRITEs (rendezvous transfers) a connection has in
+    /// flight at once, besides at most 8 of them: a transfer waits until its share fits (one
+    /// larger than this goes alone). Several 16 MiB READs in flight at once moved half as many
+    /// bytes per second as one at a time on siw, and bytes in flight beyond what fills the link
+    /// only hold registered memory longer.
+    pub inflight_bytes: u64,
 }
 
 impl Default for RdmaOptions {
@@ -325,6 +335,7 @@ impl Default for RdmaOptions {
             srq_slots: 0,
             large_buffer_bytes: DEFAULT_LARGE_BUFFER_BYTES,
             read_depth: DEFAULT_READ_DEPTH,
+            inflight_bytes: DEFAULT_INFLIGHT_BYTES,
             // 15 MiB per connection
             pool_classes: vec![
                 SizeClass {

@@ -93,7 +93,8 @@ impl RdmaOptions {
     /// `slot_size=N` (both sides must agree on these two), `srq_slots=N` (a server's shared
     /// receive queue), `push_up_to=N` or
     /// `rendezvous=pull|push` (see [`RdmaOptions::push_up_to`]), `max_fallback_bytes=N`,
-    /// `large_buffer_bytes=N`, `read_depth=N` (1 to 255, see [`RdmaOptions::read_depth`]).
+    /// `large_buffer_bytes=N`, `read_depth=N` (1 to 255, see [`RdmaOptions::read_depth`]),
+    /// `inflight_bytes=N`.
     /// Other options are ignored.
     pub fn from_endpoint(ep: &rpc_core::Endpoint) -> Result<RdmaOptions, RdmaError> {
         let mut o = RdmaOptions::default();
@@ -142,6 +143,7 @@ impl RdmaOptions {
                 }
                 "slot_size" => o.slot_size = num(k, v)? as usize,
                 "srq_slots" => o.srq_slots = num(k, v)? as usize,
+                "inflight_bytes" => o.inflight_bytes = num(k, v)?,
                 "read_depth" => {
                     o.read_depth = u8::try_from(num(k, v)?)
                         .ok()
@@ -1885,6 +1887,8 @@ mod tests {
     fn read_depth_from_the_endpoint() {
         assert_eq!(opts("").read_depth, crate::DEFAULT_READ_DEPTH);
         assert_eq!(opts("read_depth=16").read_depth, 16);
+        assert_eq!(opts("").inflight_bytes, crate::DEFAULT_INFLIGHT_BYTES);
+        assert_eq!(opts("inflight_bytes=33554432").inflight_bytes, 32 << 20);
         for bad in ["0", "256", "x"] {
             let ep: rpc_core::Endpoint = format!("rdma://h:1?read_depth={bad}").parse().unwrap();
             let err = RdmaOptions::from_endpoint(&ep).expect_err(bad).to_string();
