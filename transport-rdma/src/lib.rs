@@ -1,8 +1,10 @@
 //! RDMA verbs transport of rdma-rpc.
 //!
-//! Connections are reliable-connected queue pairs set up with rdma_cm. Small messages go by SEND
-//! into receive slots the peer posted in advance; large data by one-sided RDMA WRITE / READ of
-//! registered buffers. Completions reach tokio through the completion channel's fd (`AsyncFd`),
+//! Connections are reliable-connected queue pairs set up with rdma_cm, which negotiates how many
+//! RDMA READs each side may have in flight ([`RdmaOptions::read_depth`]); the bytes of READs and
+//! WRITEs in flight are bounded apart from that ([`RdmaOptions::inflight_bytes`]). Small
+//! messages go by SEND into receive slots the peer posted in advance; large data by one-sided
+//! RDMA WRITE / READ of registered buffers. Completions reach tokio through the completion channel's fd (`AsyncFd`),
 //! after a busy-poll whose window follows the connection's round trip
 //! ([`RdmaOptions::busy_poll`], [`RdmaOptions::busy_poll_max`]): a connection whose calls follow
 //! each other keeps polling across its round trip, an idle one sleeps.
