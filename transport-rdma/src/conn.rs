@@ -1808,8 +1808,9 @@ impl RdmaListener {
         // "no RDMA here" must be an error before anything else
         crate::devices()?;
         let cm = CmDispatcher::start()?;
-        // rdma_cm's port space is its own (not the kernel's TCP ports), and the port it would
-        // pick for port 0 cannot be read back through sideway: pick one ourselves.
+        // rdma_cm's port space is its own (not the kernel's TCP ports); for port 0 we pick one
+        // ourselves (reading back the one rdma_cm would pick, `rdma_get_src_port`, is not done
+        // yet: the rdma_cm calls went through sideway, which could not, until 05894dd).
         let candidates: Vec<u16> = if addr.port() == 0 {
             let seed = std::process::id() as u64
                 ^ Instant::now().elapsed().as_nanos() as u64
