@@ -776,10 +776,7 @@ impl RdmaConnection {
         match ev.kind {
             // InfiniBand/RoCE: we move the QP to RTR/RTS and send the RTU
             CmEventKind::ConnectResponse => {
-                let answer = ev.peer.unwrap_or(ReadDepth {
-                    responder: 1,
-                    initiator: 1,
-                });
+                let answer = ev.peer.unwrap_or(ReadDepth::ONE);
                 let depth = ReadDepth::connecting(limit, answer);
                 id.modify_qp(&prepared.qp, CmQpState::ReadyToReceive(depth))?;
                 id.modify_qp(&prepared.qp, CmQpState::ReadyToSend(depth))?;
@@ -1895,10 +1892,7 @@ impl RdmaListener {
             id.set_route(tx);
             return Ok(PendingConnection {
                 id,
-                offer: ev.peer.unwrap_or(ReadDepth {
-                    responder: 1,
-                    initiator: 1,
-                }),
+                offer: ev.peer.unwrap_or(ReadDepth::ONE),
                 rx,
                 cm: Arc::clone(&self.cm),
                 opts: self.opts.clone(),

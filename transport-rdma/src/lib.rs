@@ -228,6 +228,12 @@ pub struct ReadDepth {
 }
 
 impl ReadDepth {
+    /// One READ in flight each way: what a peer that says nothing of its depths gets.
+    pub const ONE: ReadDepth = ReadDepth {
+        responder: 1,
+        initiator: 1,
+    };
+
     /// What an accepting side answers to a request that offered `offer`, with at most `limit`
     /// each way: it serves no more READs than the peer will issue, and issues no more than the
     /// peer serves (librdmacm's rules for `rdma_accept`); at least one each way, as every

@@ -1124,7 +1124,7 @@ impl Qp {
         mask: i32,
         op: &'static str,
     ) -> Result<(), RdmaError> {
-        let _serial = self.modify_lock.lock().unwrap_or_else(|p| p.into_inner());
+        let _serial = lock(&self.modify_lock);
         // SAFETY: the QP is live (owned by `self`); `attr` is a fully initialised attribute
         // block (from rdma_init_qp_attr) that the call only reads, for the fields in `mask`.
         errno_result(op, unsafe {
@@ -1151,7 +1151,7 @@ impl Qp {
     }
 
     fn modify(&self, attr: &QueuePairAttribute, op: &'static str) -> Result<(), RdmaError> {
-        let _serial = self.modify_lock.lock().unwrap_or_else(|p| p.into_inner());
+        let _serial = lock(&self.modify_lock);
         let mut handle = ModifyHandle(self.qp.qp);
         guarded(op, || handle.modify(attr))?.map_err(verbs_err(op))
     }
@@ -1304,7 +1304,7 @@ impl Qp {
             .as_ref()
             .map_or_else(|| region.mr.lkey(), |m| m.lkey());
         let wr_id = self.new_wr_id(kind);
-        let mut inflight = self.inflight.lock().unwrap_or_else(|p| p.into_inner());
+        let mut inflight = lock(&self.inflight);
         inflight.insert(
             wr_id,
             InFlight {
@@ -1341,7 +1341,7 @@ impl Qp {
         if let (WrKind::Recv, Some(srq)) = (WrKind::of(wr_id), &self.srq) {
             return srq.retire(wr_id);
         }
-        let mut inflight = self.inflight.lock().unwrap_or_else(|p| p.into_inner());
+        let mut inflight = lock(&self.inflight);
         inflight.remove(&wr_id).map(|f| f.mem)
     }
 
@@ -1372,7 +1372,7 @@ impl Qp {
         }
         let (addr, lkey) = (buf.addr(), buf.region.mr.lkey());
         let wr_id = self.new_wr_id(WrKind::Recv);
-        let mut inflight = self.inflight.lock().unwrap_or_else(|p| p.into_inner());
+        let mut inflight = lock(&self.inflight);
         inflight.insert(
             wr_id,
             InFlight {
@@ -1439,7 +1439,7 @@ impl Qp {
         }
         let lkey = region.mr.lkey();
         let wr_id = self.new_wr_id(WrKind::Write);
-        let mut inflight = self.inflight.lock().unwrap_or_else(|p| p.into_inner());
+        let mut inflight = lock(&self.inflight);
         inflight.insert(
             wr_id,
             InFlight {
@@ -1501,7 +1501,7 @@ impl Qp {
             .as_ref()
             .map_or_else(|| buf.region.mr.lkey(), |m| m.lkey());
         let wr_id = self.new_wr_id(kind);
-        let mut inflight = self.inflight.lock().unwrap_or_else(|p| p.into_inner());
+        let mut inflight = lock(&self.inflight);
         inflight.insert(
             wr_id,
             InFlight {
@@ -1605,7 +1605,7 @@ impl Srq {
         };
         let wr_id = (WrKind::Recv.tag() << 56)
             | (self.next_wr.fetch_add(1, Ordering::Relaxed) & ((1 << 56) - 1));
-        let mut inflight = self.inflight.lock().unwrap_or_else(|p| p.into_inner());
+        let mut inflight = lock(&self.inflight);
         inflight.insert(wr_id, buf);
         let mut wr = ibv_recv_wr {
             wr_id,
@@ -1636,7 +1636,7 @@ impl Srq {
     }
 
     fn retire(&self, wr_id: u64) -> Option<Mem> {
-        let mut inflight = self.inflight.lock().unwrap_or_else(|p| p.into_inner());
+        let mut inflight = lock(&self.inflight);
         inflight.remove(&wr_id).map(Mem::Pool)
     }
 }
