@@ -1805,46 +1805,32 @@ impl RdmaListener {
         // "no RDMA here" must be an error before anything else
         crate::devices()?;
         let cm = CmDispatcher::start()?;
-        // rdma_cm's port space is its own (not the kernel's TCP ports); for port 0 we pick one
-        // ourselves (reading back the one rdma_cm would pick, `rdma_get_src_port`, is not done
-        // yet: the rdma_cm calls went through sideway, which could not, until 05894dd).
-        let candidates: Vec<u16> = if addr.port() == 0 {
-            let seed = std::process::id() as u64
-                ^ Instant::now().elapsed().as_nanos() as u64
-                ^ std::time::SystemTime::now()
-                    .duration_since(std::time::UNIX_EPOCH)
-                    .map(|d| d.as_nanos() as u64)
-                    .unwrap_or(0);
-            (0..64u64)
-                .map(|i| {
-                    40_000
-                        + ((seed
-                            .wrapping_mul(6_364_136_223_846_793_005)
-                            .wrapping_add(i * 7_919))
-                            >> 33) as u16
-                            % 20_000
-                })
-                .collect()
-        } else {
-            vec![addr.port()]
-        };
+        // Port 0: rdma_cm picks a free port of its own port space at bind time, and we read it
+        // back. On iWARP the listen also takes the same port among the kernel's TCP ports,
+        // where it may be in use: a few more tries, each with a port rdma_cm picks afresh.
+        let tries = if addr.port() == 0 { 16 } else { 1 };
         let mut last = None;
-        for port in candidates {
-            let at = SocketAddr::new(addr.ip(), port);
+        for _ in 0..tries {
             let id = cm.channel().create_id()?;
             let (tx, rx) = mpsc::unbounded_channel();
             id.set_route(tx);
-            match id.bind(at).and_then(|()| id.listen(128)) {
+            match id.bind(addr).and_then(|()| id.listen(128)) {
                 Ok(()) => {
+                    let port = id.local_port();
+                    if port == 0 {
+                        return Err(RdmaError::InvalidArgument(format!(
+                            "rdma_cm reports no port for the listener bound to {addr}"
+                        )));
+                    }
                     return Ok(RdmaListener {
                         id,
                         rx: tokio::sync::Mutex::new(rx),
                         cm,
                         opts,
-                        addr: at,
+                        addr: SocketAddr::new(addr.ip(), port),
                         monitor: PoolMonitor::default(),
                         shared_recv: Arc::default(),
-                    })
+                    });
                 }
                 Err(e) => last = Some(e),
             }

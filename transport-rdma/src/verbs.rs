@@ -485,6 +485,25 @@ impl CmId {
         })
     }
 
+    /// The port this id is bound to, as rdma_cm reports it (0 if it is not bound): the one it
+    /// picked when it was bound to port 0.
+    pub(crate) fn local_port(&self) -> u16 {
+        let raw = self.raw();
+        // SAFETY: the id is live. librdmacm fills the route's source address in from the
+        // kernel's answer when the id is bound, and changes it only in calls on this id, which
+        // are not running now (every call on an id takes `&self` on one thread at a time: a
+        // listener binds and listens before it is shared). The union is read as the layout its
+        // family names, and it is large enough for either (it holds a `sockaddr_storage`).
+        unsafe {
+            let addr = std::ptr::addr_of!((*raw).route.addr.src_addr_union);
+            match i32::from((*addr).src_addr.sa_family) {
+                libc::AF_INET => u16::from_be((*addr).src_sin.sin_port),
+                libc::AF_INET6 => u16::from_be((*addr).src_sin6.sin6_port),
+                _ => 0,
+            }
+        }
+    }
+
     pub(crate) fn listen(&self, backlog: i32) -> Result<(), RdmaError> {
         // SAFETY: the id is live.
         cm_result("rdma_listen", unsafe { rdma_listen(self.raw(), backlog) })

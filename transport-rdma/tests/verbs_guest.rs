@@ -283,3 +283,42 @@ async fn read_depth_is_negotiated() {
     .await
     .expect("test timed out");
 }
+
+/// A listener bound to port 0 reports the port rdma_cm picked for it, and a client reaches it
+/// there: two such listeners on one address get two ports, each serving its own client; one
+/// bound to a given port reports that port.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn port_zero_listeners_report_their_port() {
+    let (dev, fixed) = target(20_015);
+    tokio::time::timeout(LIMIT, async move {
+        let any = SocketAddr::new(fixed.ip(), 0);
+        let a = RdmaListener::bind(any, RdmaOptions::default()).expect("bind/listen a");
+        let b = RdmaListener::bind(any, RdmaOptions::default()).expect("bind/listen b");
+        let (pa, pb) = (a.local_addr(), b.local_addr());
+        assert_eq!(pa.ip(), fixed.ip());
+        assert_ne!(pa.port(), 0, "listener a reports port 0");
+        assert_ne!(pb.port(), 0, "listener b reports port 0");
+        assert_ne!(pa.port(), pb.port(), "two listeners, one port");
+        for (i, (listener, at)) in [(&a, pa), (&b, pb)].into_iter().enumerate() {
+            let (server, client) = tokio::join!(
+                listener.accept(),
+                RdmaConnection::connect(at, RdmaOptions::default())
+            );
+            let (server, client) = (server.expect("accept"), client.expect("connect"));
+            let msg = [i as u8 + 1; 16];
+            client.send(&msg).await.expect("send");
+            let got = server.recv().await.expect("recv").expect("a message");
+            assert_eq!(got, msg, "listener {i}");
+            client.close();
+        }
+        let f = RdmaListener::bind(fixed, RdmaOptions::default()).expect("bind/listen fixed");
+        assert_eq!(f.local_addr(), fixed);
+        println!(
+            "device {dev}: port-0 listeners on ports {} and {}",
+            pa.port(),
+            pb.port()
+        );
+    })
+    .await
+    .expect("test timed out");
+}
