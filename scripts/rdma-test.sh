@@ -20,8 +20,10 @@
 #      counted as a test, a 30 s soak per device (examples/soak.rs: mixed calls, every byte
 #      checked, the server killed or restarted at random) and the overload check
 #      (examples/overload.rs: 10x as many callers as handler slots, p99 bound);
-#   5. prints which device each run used, the tests' own figures and perftest's, and exits
-#      non-zero if any test failed, a device did not come up, or nothing ran.
+#   5. runs three paired rounds per device (ib_send_lat, then the busy-poll small call);
+#   6. prints which device each run used, the tests' own figures and perftest's, issue 3's
+#      targets worked out from them (scripts/rdma-targets.py), and exits non-zero if any test
+#      failed, a device did not come up, or nothing ran.
 #
 # Usage: scripts/rdma-test.sh [--example NAME]...
 # Env: RDMA_TEST_PACKAGES (default "transport-rdma rdma-rpc"), RDMA_TEST_FEATURES (default
@@ -46,7 +48,7 @@ EXAMPLES=()
 while [ $# -gt 0 ]; do
   case "$1" in
     --example) EXAMPLES+=("$2"); shift 2 ;;
-    -h|--help) sed -n '2,26p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,36p' "$0"; exit 0 ;;
     *) echo "rdma-test: unknown argument $1" >&2; exit 2 ;;
   esac
 done
@@ -373,9 +375,23 @@ if [ "${RDMA_TEST_PERFTEST:-1}" = 1 ]; then
     # and at the sizes of rdma-rpc's bandwidth figures
     perf "$d" ib_read_bw "${CM[@]}" -n 200 -F -s 1048576
     perf "$d" ib_read_bw "${CM[@]}" -n 20 -F -s 16777216 -t 4
-    # and with one READ outstanding, the depth rdma-rpc's connections get (sideway's
-    # ConnectionParameter leaves responder resources and initiator depth at 1)
+    # and with one READ outstanding (the rate of one READ at a time; rdma-rpc's connections
+    # negotiate up to 8, RdmaOptions::read_depth)
     perf "$d" ib_read_bw "${CM[@]}" -n 200 -F -s 1048576 -o 1
+  done
+fi
+
+# paired rounds: perftest's ib_send_lat, then rdma-rpc's busy-poll small call, back to back, three
+# times per device, so that each ratio compares figures taken seconds apart (both swing between
+# boots, and within one); scripts/rdma-targets.py reads them in this order
+if [ "${RDMA_TEST_PERFTEST:-1}" = 1 ] && [ -x perf/rpc-perf ]; then
+  for d in "${DEVS[@]}"; do
+    echo "=================== paired rounds on $d"
+    if [ "$d" = siw0 ]; then CM=(-R); else CM=(-x 1); fi
+    for r in 1 2 3; do
+      perf "$d" ib_send_lat "${CM[@]}" -n 1000 -F
+      rpcperf "$d" "small-call-busy-poll-paired-$r" "&busy_poll_us=2000" split --op echo --sizes 0 --concurrency 1 --duration 3 --warmup 1
+    done
   done
 fi
 
@@ -405,6 +421,10 @@ for p in "$OUT"/logs/probe-*/; do
     echo "rdma-test: latency-split.py failed on $p" >&2; rc=1
   fi
 done
+# issue 3's targets, each ratio from this run's figures (information, not a test)
+if [ -s "$OUT/summary.txt" ]; then
+  python3 "$ROOT/scripts/rdma-targets.py" "$OUT/summary.txt" || { echo "rdma-test: rdma-targets.py failed" >&2; rc=1; }
+fi
 [ "$rc" = 0 ] || [ "$FAILED" -gt 0 ] || [ "$PROBLEMS" -gt 0 ] || FAILED=1
 say "guest exit status $rc; logs in $OUT/logs"
 echo "rdma-test: $PASSED passed, $FAILED failed"

@@ -1,0 +1,122 @@
+#!/usr/bin/env python3
+"""Issue 3's performance targets, worked out from one `scripts/rdma-test.sh` run.
+
+Usage: scripts/rdma-targets.py SUMMARY
+
+SUMMARY is the guest's summary.txt (rdma-test.sh passes its own). For each device this prints
+each ratio beside its target, from the figures of that run alone:
+- busy-poll small-call p50 against perftest's `ib_send_lat` typical one-way figure (at most 3x),
+  once for the main figures and once per paired round (perftest, then rdma-rpc, back to back),
+  with the rounds' median;
+- the default mode's p50 against busy-poll's (at most 2x);
+- 1 MiB and 16 MiB put bandwidth against `ib_read_bw` at 64 KiB (the device's best figure,
+  which the verdict uses) and at the same size (at least 80%).
+
+A figure that is missing (its run failed) is reported as missing. The verdicts are information,
+not test results: the exit status is 0 unless SUMMARY cannot be read.
+"""
+
+import re
+import statistics
+import sys
+
+SEND_LAT = re.compile(r"^perftest (\S+) ib_send_lat 2 B: typical ([0-9.]+) us")
+READ_BW = re.compile(
+    r"^perftest (\S+) ib_read_bw (\d+) B x \d+, (\d+) READs outstanding: average ([0-9.]+) MiB/s"
+)
+RPC = re.compile(r"^rpc-perf (\S+) (\S+) (\S+) B: p50 ([0-9.]+) us.*\(([0-9.]+) MiB/s\)")
+
+
+def verdict(ok):
+    return "met" if ok else "missed"
+
+
+def main(path):
+    try:
+        lines = open(path, encoding="utf-8").read().splitlines()
+    except OSError as e:
+        print(f"rdma-targets: {e}", file=sys.stderr)
+        return 1
+    send_lat = {}  # dev -> the main run's typical one-way, us
+    paired = {}  # dev -> [(ib_send_lat, rdma-rpc p50)]
+    read_bw = {}  # (dev, bytes) -> MiB/s, with more than one READ outstanding
+    p50 = {}  # (dev, label) -> us
+    mibs = {}  # (dev, label, size) -> MiB/s
+    last_lat = {}  # dev -> the latest ib_send_lat figure, for the paired round that follows
+    for line in lines:
+        m = SEND_LAT.match(line)
+        if m:
+            dev, t = m.group(1), float(m.group(2))
+            send_lat.setdefault(dev, t)
+            last_lat[dev] = t
+            continue
+        m = READ_BW.match(line)
+        if m:
+            if int(m.group(3)) > 1:
+                read_bw.setdefault((m.group(1), int(m.group(2))), float(m.group(4)))
+            continue
+        m = RPC.match(line)
+        if m:
+            dev, label, size = m.group(1), m.group(2), m.group(3)
+            us, mib = float(m.group(4)), float(m.group(5))
+            if label.startswith("small-call-busy-poll-paired"):
+                if dev in last_lat:
+                    paired.setdefault(dev, []).append((last_lat.pop(dev), us))
+                continue
+            p50.setdefault((dev, label), us)
+            mibs.setdefault((dev, label, size), mib)
+    devs = sorted({d for d, _ in p50} | set(send_lat))
+    if not devs:
+        print("issue 3 targets: no figures in this run")
+        return 0
+    for dev in devs:
+        print(f"issue 3 targets on {dev}, from this run's figures:")
+        busy = p50.get((dev, "small-call-busy-poll"))
+        lat = send_lat.get(dev)
+        if busy is not None and lat:
+            r = busy / lat
+            print(
+                f"  busy-poll p50 {busy:.1f} us = {r:.2f}x ib_send_lat {lat:.2f} us "
+                f"(target <= 3x): {verdict(r <= 3)}"
+            )
+        else:
+            print("  busy-poll p50 against ib_send_lat: a figure is missing")
+        rounds = paired.get(dev, [])
+        if rounds:
+            ratios = [b / t for t, b in rounds]
+            each = ", ".join(f"{b:.1f}/{t:.2f} = {b / t:.2f}x" for t, b in rounds)
+            med = statistics.median(ratios)
+            print(
+                f"  paired rounds (ib_send_lat, then the busy-poll call): {each}; "
+                f"median {med:.2f}x: {verdict(med <= 3)}"
+            )
+        default = p50.get((dev, "small-call-default"))
+        if default is not None and busy:
+            r = default / busy
+            print(
+                f"  default p50 {default:.1f} us = {r:.2f}x busy-poll (target <= 2x): "
+                f"{verdict(r <= 2)}"
+            )
+        else:
+            print("  default mode against busy-poll: a figure is missing")
+        best = read_bw.get((dev, 65536))
+        for size, nbytes, name in (("1M", 1 << 20, "1 MiB"), ("16M", 16 << 20, "16 MiB")):
+            put = mibs.get((dev, "bandwidth", size))
+            same = read_bw.get((dev, nbytes))
+            if put is None or not best:
+                print(f"  put {name} against ib_read_bw: a figure is missing")
+                continue
+            at_same = f", {100 * put / same:.1f}% of ib_read_bw at {name} ({same:.1f})" if same else ""
+            print(
+                f"  put {name} {put:.1f} MiB/s = {100 * put / best:.1f}% of ib_read_bw 64 KiB "
+                f"({best:.1f}){at_same} (target >= 80% of the 64 KiB figure): "
+                f"{verdict(put >= 0.8 * best)}"
+            )
+    return 0
+
+
+if __name__ == "__main__":
+    if len(sys.argv) != 2:
+        print(__doc__.strip().splitlines()[2], file=sys.stderr)
+        sys.exit(2)
+    sys.exit(main(sys.argv[1]))
