@@ -10,7 +10,8 @@ each ratio beside its target, from the figures of that run alone:
   with the rounds' median;
 - the default mode's p50 against busy-poll's (at most 2x);
 - 1 MiB and 16 MiB put bandwidth against `ib_read_bw` at 64 KiB (the device's best figure,
-  which the verdict uses) and at the same size (at least 80%).
+  which the verdict uses) and at the same size (at least 80%), and in each paired round
+  against the `ib_read_bw` at 64 KiB run just before it, with the rounds' median.
 
 A figure that is missing (its run failed) is reported as missing. The verdicts are information,
 not test results: the exit status is 0 unless SUMMARY cannot be read.
@@ -24,6 +25,7 @@ SEND_LAT = re.compile(r"^perftest (\S+) ib_send_lat 2 B: typical ([0-9.]+) us")
 READ_BW = re.compile(
     r"^perftest (\S+) ib_read_bw (\d+) B x \d+, (\d+) READs outstanding: average ([0-9.]+) MiB/s"
 )
+FAILED_PERF = re.compile(r"^perftest (\S+) (ib_send_lat|ib_read_bw) .*: FAILED")
 RPC = re.compile(r"^rpc-perf (\S+) (\S+) (\S+) B: p50 ([0-9.]+) us.*\(([0-9.]+) MiB/s\)")
 
 
@@ -43,6 +45,8 @@ def main(path):
     p50 = {}  # (dev, label) -> us
     mibs = {}  # (dev, label, size) -> MiB/s
     last_lat = {}  # dev -> the latest ib_send_lat figure, for the paired round that follows
+    last_bw = {}  # dev -> the latest ib_read_bw figure at 64 KiB, likewise
+    paired_bw = {}  # (dev, size) -> [(ib_read_bw 64 KiB, rdma-rpc MiB/s)]
     for line in lines:
         m = SEND_LAT.match(line)
         if m:
@@ -52,8 +56,16 @@ def main(path):
             continue
         m = READ_BW.match(line)
         if m:
+            dev, nbytes, mib = m.group(1), int(m.group(2)), float(m.group(4))
             if int(m.group(3)) > 1:
-                read_bw.setdefault((m.group(1), int(m.group(2))), float(m.group(4)))
+                read_bw.setdefault((dev, nbytes), mib)
+                if nbytes == 65536:
+                    last_bw[dev] = mib
+            continue
+        m = FAILED_PERF.match(line)
+        if m:
+            # a perftest run that failed: no figure to pair with what follows
+            (last_lat if m.group(2) == "ib_send_lat" else last_bw).pop(m.group(1), None)
             continue
         m = RPC.match(line)
         if m:
@@ -62,6 +74,10 @@ def main(path):
             if label.startswith("small-call-busy-poll-paired"):
                 if dev in last_lat:
                     paired.setdefault(dev, []).append((last_lat.pop(dev), us))
+                continue
+            if label.startswith("bandwidth-paired"):
+                if dev in last_bw:
+                    paired_bw.setdefault((dev, size), []).append((last_bw[dev], mib))
                 continue
             p50.setdefault((dev, label), us)
             mibs.setdefault((dev, label, size), mib)
@@ -111,6 +127,17 @@ def main(path):
                 f"  put {name} {put:.1f} MiB/s = {100 * put / best:.1f}% of ib_read_bw 64 KiB "
                 f"({best:.1f}){at_same} (target >= 80% of the 64 KiB figure): "
                 f"{verdict(put >= 0.8 * best)}"
+            )
+        for size, name in (("1M", "1 MiB"), ("16M", "16 MiB")):
+            rounds = paired_bw.get((dev, size), [])
+            if not rounds:
+                continue
+            shares = [100 * p / b for b, p in rounds]
+            each = ", ".join(f"{p:.1f}/{b:.1f} = {100 * p / b:.1f}%" for b, p in rounds)
+            med = statistics.median(shares)
+            print(
+                f"  paired rounds, put {name} against ib_read_bw 64 KiB: {each}; "
+                f"median {med:.1f}%: {verdict(med >= 80)}"
             )
     return 0
 

@@ -20,7 +20,8 @@
 #      counted as a test, a 30 s soak per device (examples/soak.rs: mixed calls, every byte
 #      checked, the server killed or restarted at random) and the overload check
 #      (examples/overload.rs: 10x as many callers as handler slots, p99 bound);
-#   5. runs three paired rounds per device (ib_send_lat, then the busy-poll small call);
+#   5. runs three paired rounds per device (ib_send_lat, the busy-poll small call, ib_read_bw at
+#      64 KiB, rdma-rpc's 1 MiB and 16 MiB puts, back to back);
 #   6. prints which device each run used, the tests' own figures and perftest's, issue 3's
 #      targets worked out from them (scripts/rdma-targets.py), and exits non-zero if any test
 #      failed, a device did not come up, or nothing ran.
@@ -48,7 +49,7 @@ EXAMPLES=()
 while [ $# -gt 0 ]; do
   case "$1" in
     --example) EXAMPLES+=("$2"); shift 2 ;;
-    -h|--help) sed -n '2,36p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,37p' "$0"; exit 0 ;;
     *) echo "rdma-test: unknown argument $1" >&2; exit 2 ;;
   esac
 done
@@ -381,9 +382,10 @@ if [ "${RDMA_TEST_PERFTEST:-1}" = 1 ]; then
   done
 fi
 
-# paired rounds: perftest's ib_send_lat, then rdma-rpc's busy-poll small call, back to back, three
-# times per device, so that each ratio compares figures taken seconds apart (both swing between
-# boots, and within one); scripts/rdma-targets.py reads them in this order
+# paired rounds: perftest's ib_send_lat, then rdma-rpc's busy-poll small call, then perftest's
+# ib_read_bw at 64 KiB, then rdma-rpc's puts, back to back, three times per device, so that each
+# ratio compares figures taken seconds apart (both swing between boots, and within one);
+# scripts/rdma-targets.py reads them in this order
 if [ "${RDMA_TEST_PERFTEST:-1}" = 1 ] && [ -x perf/rpc-perf ]; then
   for d in "${DEVS[@]}"; do
     echo "=================== paired rounds on $d"
@@ -391,6 +393,8 @@ if [ "${RDMA_TEST_PERFTEST:-1}" = 1 ] && [ -x perf/rpc-perf ]; then
     for r in 1 2 3; do
       perf "$d" ib_send_lat "${CM[@]}" -n 1000 -F
       rpcperf "$d" "small-call-busy-poll-paired-$r" "&busy_poll_us=2000" split --op echo --sizes 0 --concurrency 1 --duration 3 --warmup 1
+      perf "$d" ib_read_bw "${CM[@]}" -n 2000 -F
+      rpcperf "$d" "bandwidth-paired-$r" "" one --op put --sizes 1m,16m --concurrency 4 --threads 2 --duration 6 --warmup 2
     done
   done
 fi
