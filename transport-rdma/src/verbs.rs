@@ -486,14 +486,15 @@ impl CmId {
     }
 
     /// The port this id is bound to, as rdma_cm reports it (0 if it is not bound): the one it
-    /// picked when it was bound to port 0.
+    /// picked when it was bound to port 0. Called by `RdmaListener::bind` right after the
+    /// listen, before the id is shared.
     pub(crate) fn local_port(&self) -> u16 {
         let raw = self.raw();
-        // SAFETY: the id is live. librdmacm fills the route's source address in from the
-        // kernel's answer when the id is bound, and changes it only in calls on this id, which
-        // are not running now (every call on an id takes `&self` on one thread at a time: a
-        // listener binds and listens before it is shared). The union is read as the layout its
-        // family names, and it is large enough for either (it holds a `sockaddr_storage`).
+        // SAFETY: the id is live. librdmacm writes the route's source address when the id is
+        // bound (from the kernel's answer) and in later calls on this same id; the only caller
+        // reads it on the thread that just bound the id, before any other thread holds it, so
+        // nothing writes it meanwhile. The union holds a `sockaddr_storage`, so it is large
+        // enough for the layout its family names, which is the one read.
         unsafe {
             let addr = std::ptr::addr_of!((*raw).route.addr.src_addr_union);
             match i32::from((*addr).src_addr.sa_family) {
