@@ -8,10 +8,12 @@ each ratio beside its target, from the figures of that run alone:
 - busy-poll small-call p50 against perftest's `ib_send_lat` typical one-way figure (at most 3x),
   once for the main figures and once per paired round (perftest, then rdma-rpc, back to back),
   with the rounds' median;
+  the verdict is the paired rounds' median: the main figures are minutes apart, and perftest's
+  own figure moves by up to 2x within one boot;
 - the default mode's p50 against busy-poll's (at most 2x);
-- 1 MiB and 16 MiB put bandwidth against `ib_read_bw` at 64 KiB (the device's best figure,
-  which the verdict uses) and at the same size (at least 80%), and in each paired round
-  against the `ib_read_bw` at 64 KiB run just before it, with the rounds' median.
+- 1 MiB and 16 MiB put bandwidth against `ib_read_bw` at 64 KiB (the device's best figure)
+  and at the same size (at least 80%), and in each paired round against the `ib_read_bw` at
+  64 KiB run just before it, with the rounds' median, which is the verdict.
 
 A figure that is missing (its run failed) is reported as missing. The verdicts are information,
 not test results: the exit status is 0 unless SUMMARY cannot be read.
@@ -93,7 +95,7 @@ def main(path):
             r = busy / lat
             print(
                 f"  busy-poll p50 {busy:.1f} us = {r:.2f}x ib_send_lat {lat:.2f} us "
-                f"(target <= 3x): {verdict(r <= 3)}"
+                f"(target <= 3x; taken minutes apart, so the paired rounds decide)"
             )
         else:
             print("  busy-poll p50 against ib_send_lat: a figure is missing")
@@ -125,8 +127,8 @@ def main(path):
             at_same = f", {100 * put / same:.1f}% of ib_read_bw at {name} ({same:.1f})" if same else ""
             print(
                 f"  put {name} {put:.1f} MiB/s = {100 * put / best:.1f}% of ib_read_bw 64 KiB "
-                f"({best:.1f}){at_same} (target >= 80% of the 64 KiB figure): "
-                f"{verdict(put >= 0.8 * best)}"
+                f"({best:.1f}){at_same} (target >= 80% of the 64 KiB figure; taken minutes "
+                f"apart, so the paired rounds decide)"
             )
         for size, name in (("1M", "1 MiB"), ("16M", "16 MiB")):
             rounds = paired_bw.get((dev, size), [])
