@@ -28,6 +28,8 @@ READ_BW = re.compile(
     r"^perftest (\S+) ib_read_bw (\d+) B x \d+, (\d+) READs outstanding: average ([0-9.]+) MiB/s"
 )
 FAILED_PERF = re.compile(r"^perftest (\S+) (ib_send_lat|ib_read_bw) .*: FAILED")
+# rpc-perf's label of a put size, its bytes, its name here
+PUT_SIZES = (("1M", 1 << 20, "1 MiB"), ("16M", 16 << 20, "16 MiB"))
 RPC = re.compile(r"^rpc-perf (\S+) (\S+) (\S+) B: p50 ([0-9.]+) us.*\(([0-9.]+) MiB/s\)")
 
 
@@ -118,7 +120,7 @@ def main(path):
         else:
             print("  default mode against busy-poll: a figure is missing")
         best = read_bw.get((dev, 65536))
-        for size, nbytes, name in (("1M", 1 << 20, "1 MiB"), ("16M", 16 << 20, "16 MiB")):
+        for size, nbytes, name in PUT_SIZES:
             put = mibs.get((dev, "bandwidth", size))
             same = read_bw.get((dev, nbytes))
             if put is None or not best:
@@ -130,7 +132,7 @@ def main(path):
                 f"({best:.1f}){at_same} (target >= 80% of the 64 KiB figure; taken minutes "
                 f"apart, so the paired rounds decide)"
             )
-        for size, name in (("1M", "1 MiB"), ("16M", "16 MiB")):
+        for size, _, name in PUT_SIZES:
             rounds = paired_bw.get((dev, size), [])
             if not rounds:
                 continue

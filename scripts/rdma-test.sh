@@ -208,6 +208,10 @@ done
 # on one thread: tokio's current-thread runtime, and for comparison busy-poll once more on a
 # multi-thread runtime with one worker), calls/s with 64 in flight, and put bandwidth at 1 MiB
 # and 16 MiB (these two with client and server in one process, two worker threads)
+# the small call (an empty payload echoed) and the puts, as the main figures and the paired rounds
+# below both run them
+SMALL_ECHO=(--op echo --sizes 0 --concurrency 1 --duration 3 --warmup 1)
+PUTS=(--op put --sizes 1m,16m --concurrency 4 --threads 2 --warmup 2)
 PERF_PORT=18600
 RUNTIME="--runtime current"
 # RUNTIME: the runtime of split runs (two words, split on purpose)
@@ -246,18 +250,18 @@ rpcperf() { # [RUNTIME=...] rpcperf DEV LABEL ENDPOINT-OPTIONS split|one ARGS...
 if [ -x perf/rpc-perf ]; then
   for d in "${DEVS[@]}"; do
     echo "=================== rpc-perf on $d"
-    rpcperf "$d" "small-call-busy-poll" "&busy_poll_us=2000" split --op echo --sizes 0 --concurrency 1 --duration 3 --warmup 1
+    rpcperf "$d" "small-call-busy-poll" "&busy_poll_us=2000" split "${SMALL_ECHO[@]}"
     # the smallest call there is: a u64 each way, no payload (the line above echoes an empty
     # payload, which takes the attachment path on both sides)
     rpcperf "$d" "small-call-ping-busy-poll" "&busy_poll_us=2000" split --op ping --sizes 0 --concurrency 1 --duration 3 --warmup 1
-    rpcperf "$d" "small-call-default" "" split --op echo --sizes 0 --concurrency 1 --duration 3 --warmup 1
-    rpcperf "$d" "small-call-event-mode" "&busy_poll=0" split --op echo --sizes 0 --concurrency 1 --duration 3 --warmup 1
-    RUNTIME="--threads 1" rpcperf "$d" "small-call-busy-poll-multi-thread" "&busy_poll_us=2000" split --op echo --sizes 0 --concurrency 1 --duration 3 --warmup 1
+    rpcperf "$d" "small-call-default" "" split "${SMALL_ECHO[@]}"
+    rpcperf "$d" "small-call-event-mode" "&busy_poll=0" split "${SMALL_ECHO[@]}"
+    RUNTIME="--threads 1" rpcperf "$d" "small-call-busy-poll-multi-thread" "&busy_poll_us=2000" split "${SMALL_ECHO[@]}"
     rpcperf "$d" "64-in-flight" "" one --op echo --sizes 64 --concurrency 64 --threads 2 --duration 3 --warmup 1
     # 4 in flight (perftest's ib_read_bw keeps up to 128 READs outstanding on rxe and siw), from
     # buffers the connection lends (rpc-perf's default; --heap copies each payload in), and a
     # window long enough for a dozen 16 MiB calls on rxe
-    rpcperf "$d" "bandwidth" "" one --op put --sizes 1m,16m --concurrency 4 --threads 2 --duration 8 --warmup 2
+    rpcperf "$d" "bandwidth" "" one "${PUTS[@]}" --duration 8
     # the floor under the small call: the connection layer alone (no rpc-core, no framing),
     # SEND/RECV ping-pong with the same busy-poll, two processes, a current-thread runtime each
     PERF_PORT=$((PERF_PORT+1))
@@ -392,9 +396,9 @@ if [ "${RDMA_TEST_PERFTEST:-1}" = 1 ] && [ -x perf/rpc-perf ]; then
     if [ "$d" = siw0 ]; then CM=(-R); else CM=(-x 1); fi
     for r in 1 2 3; do
       perf "$d" ib_send_lat "${CM[@]}" -n 1000 -F
-      rpcperf "$d" "small-call-busy-poll-paired-$r" "&busy_poll_us=2000" split --op echo --sizes 0 --concurrency 1 --duration 3 --warmup 1
+      rpcperf "$d" "small-call-busy-poll-paired-$r" "&busy_poll_us=2000" split "${SMALL_ECHO[@]}"
       perf "$d" ib_read_bw "${CM[@]}" -n 2000 -F
-      rpcperf "$d" "bandwidth-paired-$r" "" one --op put --sizes 1m,16m --concurrency 4 --threads 2 --duration 6 --warmup 2
+      rpcperf "$d" "bandwidth-paired-$r" "" one "${PUTS[@]}" --duration 6
     done
   done
 fi
