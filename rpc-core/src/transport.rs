@@ -26,6 +26,7 @@ use std::fmt;
 use std::future::Future;
 use std::io;
 use std::sync::{Arc, OnceLock};
+use std::time::Duration;
 
 use futures::{Sink, Stream};
 
@@ -106,6 +107,21 @@ pub trait DirectSend: Send + Sync + 'static {
     /// Sends `msg` now, or gives it back if it cannot go without waiting (then the caller
     /// sends it through the writer).
     fn try_send(&self, msg: Message) -> Result<(), Message>;
+
+    /// How long the caller of a lone call may receive for itself ([`progress`](Self::progress))
+    /// while it waits for its answer, counted from when it started waiting; zero (the default)
+    /// if the transport receives only in a task of its own.
+    fn spin_window(&self) -> Duration {
+        Duration::ZERO
+    }
+
+    /// Receives what has arrived, from the calling task, as the transport's receiving task
+    /// would (responses reach the client through the [`ResponseShortcut`], everything else
+    /// through the reader); whether it found anything. It never blocks, and returns at once
+    /// if another task is receiving. The default finds nothing.
+    fn progress(&self) -> bool {
+        false
+    }
 }
 
 /// A path by which a transport hands received responses to the client from where it receives

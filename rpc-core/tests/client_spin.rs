@@ -1,0 +1,344 @@
+//! The caller of a lone call receives for itself ([`DirectSend::progress`]) while it waits,
+//! within the transport's spin window ([`DirectSend::spin_window`]): its answer is found and
+//! handled in its own task, with no receiving task in between. With the window at zero, or
+//! with other calls in flight, callers leave receiving to the transport, and a spin that ran
+//! out of window leaves the answer to the transport's receiving path.
+//!
+//! The transport is an in-process fake: its direct sender takes the requests, the test plays
+//! the server and puts answers "on the wire", and `progress` delivers what is on the wire
+//! through the response shortcut, as a transport that polls its completion queue from the
+//! calling task does. Nothing else delivers unless the test does. A caller also leaves
+//! receiving to the transport while another connection's lone call waits on its thread, and
+//! on a multi-thread runtime.
+
+mod common;
+
+use std::collections::VecDeque;
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use common::{ChanReader, ChanWriter};
+use rpc_core::wire::{Header, Kind, Message};
+use rpc_core::{Bincode, Client, Config, DirectSend, ResponseShortcut, RpcError, Transport};
+use tokio::sync::mpsc;
+
+/// The fake's link: requests the client posted directly, answers waiting to be received.
+struct Link {
+    shortcut: ResponseShortcut,
+    window: Mutex<Duration>,
+    /// the requests posted through the direct sender
+    posted: mpsc::UnboundedSender<Message>,
+    /// answers not received yet
+    wire: Mutex<VecDeque<Message>>,
+    /// calls of `progress`, and those that found something
+    polls: AtomicUsize,
+    found: AtomicUsize,
+    /// nanoseconds from `start` to the last `progress`
+    start: Instant,
+    last_poll: AtomicU64,
+}
+
+impl Link {
+    /// Receives one answer from the wire, if there is one: offered to the shortcut, as a
+    /// transport's receive path does (the client takes responses).
+    fn receive(&self) -> bool {
+        let Some(msg) = self.wire.lock().unwrap().pop_front() else {
+            return false;
+        };
+        assert!(
+            self.shortcut.offer(msg).is_none(),
+            "the client takes responses"
+        );
+        true
+    }
+}
+
+impl DirectSend for Link {
+    fn ready(&self) -> bool {
+        true
+    }
+    fn try_send(&self, msg: Message) -> Result<(), Message> {
+        self.posted.send(msg).map_err(|e| e.0)
+    }
+    fn spin_window(&self) -> Duration {
+        *self.window.lock().unwrap()
+    }
+    fn progress(&self) -> bool {
+        self.polls.fetch_add(1, Ordering::SeqCst);
+        let ns = self.start.elapsed().as_nanos() as u64;
+        self.last_poll.store(ns, Ordering::SeqCst);
+        let found = self.receive();
+        if found {
+            self.found.fetch_add(1, Ordering::SeqCst);
+        }
+        found
+    }
+}
+
+struct Fake {
+    link: Arc<Link>,
+    written: mpsc::UnboundedSender<Message>,
+    incoming: mpsc::UnboundedReceiver<Message>,
+}
+
+impl Transport for Fake {
+    type Reader = ChanReader;
+    type Writer = ChanWriter;
+    fn split(self) -> (ChanReader, ChanWriter) {
+        (ChanReader(self.incoming), ChanWriter(self.written))
+    }
+    fn peer(&self) -> String {
+        "fake".into()
+    }
+    fn response_shortcut(&self) -> Option<ResponseShortcut> {
+        Some(self.link.shortcut.clone())
+    }
+    fn direct_send(&self) -> Option<Arc<dyn DirectSend>> {
+        Some(self.link.clone())
+    }
+}
+
+/// The test's end of the fake.
+struct Server {
+    link: Arc<Link>,
+    posted: mpsc::UnboundedReceiver<Message>,
+    written: mpsc::UnboundedReceiver<Message>,
+    _reader: mpsc::UnboundedSender<Message>,
+}
+
+impl Server {
+    /// The next request, posted directly or through the writer; fails the test rather than
+    /// hang if none comes.
+    async fn next_request(&mut self) -> Message {
+        let next = async {
+            loop {
+                let m = tokio::select! {
+                    Some(m) = self.posted.recv() => m,
+                    Some(m) = self.written.recv() => m,
+                };
+                if m.header.kind == Kind::Request {
+                    return m;
+                }
+            }
+        };
+        tokio::time::timeout(Duration::from_secs(10), next)
+            .await
+            .expect("a request")
+    }
+
+    /// Puts the answer to `req` (an echo of its body) on the wire, where only a receive finds
+    /// it.
+    fn answer(&self, req: &Message) {
+        let mut header = Header::new(Kind::Response, req.header.id);
+        header.method = req.header.method;
+        self.link.wire.lock().unwrap().push_back(Message {
+            header,
+            body: req.body.clone(),
+            attachments: Default::default(),
+        });
+    }
+
+    fn polls(&self) -> usize {
+        self.link.polls.load(Ordering::SeqCst)
+    }
+}
+
+fn connect(window: Duration) -> (Client, Server) {
+    let (posted_tx, posted) = mpsc::unbounded_channel();
+    let (written_tx, written) = mpsc::unbounded_channel();
+    let (reader_tx, incoming) = mpsc::unbounded_channel();
+    let link = Arc::new(Link {
+        shortcut: ResponseShortcut::new(),
+        window: Mutex::new(window),
+        posted: posted_tx,
+        wire: Mutex::new(VecDeque::new()),
+        polls: AtomicUsize::new(0),
+        found: AtomicUsize::new(0),
+        start: Instant::now(),
+        last_poll: AtomicU64::new(0),
+    });
+    let client = Client::new(
+        Fake {
+            link: link.clone(),
+            written: written_tx,
+            incoming,
+        },
+        Config::default(),
+    );
+    (
+        client,
+        Server {
+            link,
+            posted,
+            written,
+            _reader: reader_tx,
+        },
+    )
+}
+
+fn call(client: &Client, n: u64) -> impl std::future::Future<Output = Result<u64, RpcError>> {
+    client.call::<Bincode, u64, u64>(1, "echo", &n)
+}
+
+/// Answers each request as soon as it is posted, from a thread of its own (as the peer
+/// does), and never receives: only the callers' own polls can deliver the answers.
+fn answer_everything(mut server: Server) -> std::thread::JoinHandle<Server> {
+    std::thread::spawn(move || {
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap();
+        rt.block_on(async {
+            for _ in 0..20 {
+                let req = server.next_request().await;
+                server.answer(&req);
+            }
+        });
+        server
+    })
+}
+
+#[tokio::test(flavor = "current_thread")]
+async fn a_lone_caller_receives_its_own_answer() {
+    let (client, server) = connect(Duration::from_secs(30));
+    let peer = answer_everything(server);
+    for n in 0..20u64 {
+        let got = tokio::time::timeout(Duration::from_secs(10), call(&client, n))
+            .await
+            .expect("answered: the caller received it itself");
+        assert_eq!(got.unwrap(), n);
+    }
+    let server = peer.join().unwrap();
+    assert_eq!(server.link.found.load(Ordering::SeqCst), 20);
+    assert!(server.link.wire.lock().unwrap().is_empty());
+}
+
+#[tokio::test(flavor = "current_thread")]
+async fn with_no_spin_window_the_caller_never_receives() {
+    let (client, mut server) = connect(Duration::ZERO);
+    for n in 0..5u64 {
+        let pending = tokio::spawn(call(&client, n));
+        let req = server.next_request().await;
+        server.answer(&req);
+        // the transport's receiving path, here the test
+        assert!(server.link.receive());
+        assert_eq!(pending.await.unwrap().unwrap(), n);
+    }
+    assert_eq!(server.polls(), 0, "no caller polled");
+}
+
+#[tokio::test(flavor = "current_thread")]
+async fn with_other_calls_in_flight_callers_leave_receiving_to_the_transport() {
+    let (client, mut server) = connect(Duration::from_secs(30));
+    // spawned in this order on one thread: the first is alone when it starts waiting (it may
+    // spin once), the second is not
+    let first = tokio::spawn(call(&client, 1));
+    let second = tokio::spawn(call(&client, 2));
+    let a = server.next_request().await;
+    let b = server.next_request().await;
+    // both wait now; let them run as often as they want
+    for _ in 0..100 {
+        tokio::task::yield_now().await;
+    }
+    let polls = server.polls();
+    for _ in 0..100 {
+        tokio::task::yield_now().await;
+    }
+    assert_eq!(
+        server.polls(),
+        polls,
+        "no caller polls with two calls waiting"
+    );
+    server.answer(&a);
+    server.answer(&b);
+    assert!(server.link.receive() && server.link.receive());
+    let mut got = [
+        first.await.unwrap().unwrap(),
+        second.await.unwrap().unwrap(),
+    ];
+    got.sort_unstable();
+    assert_eq!(got, [1, 2]);
+    assert_eq!(server.polls(), polls, "answers came through the transport");
+}
+
+#[tokio::test(flavor = "current_thread")]
+async fn a_spin_ends_with_its_window_and_the_transport_delivers_the_answer() {
+    let window = Duration::from_millis(20);
+    let (client, mut server) = connect(window);
+    let pending = tokio::spawn(call(&client, 7));
+    let req = server.next_request().await;
+    assert!(server.polls() > 0, "the lone caller polled");
+    // wait until the caller has spun past its window (it lets this task run between bursts)
+    let from = server.link.start.elapsed();
+    while server.link.start.elapsed() < from + window * 2 {
+        tokio::task::yield_now().await;
+    }
+    let last = Duration::from_nanos(server.link.last_poll.load(Ordering::SeqCst));
+    assert!(
+        last < from + window,
+        "the caller stopped polling within its window"
+    );
+    let polls = server.polls();
+    for _ in 0..100 {
+        tokio::task::yield_now().await;
+    }
+    assert_eq!(server.polls(), polls, "the caller no longer polls");
+    assert!(!pending.is_finished());
+    server.answer(&req);
+    assert!(server.link.receive());
+    assert_eq!(pending.await.unwrap().unwrap(), 7);
+    assert_eq!(server.polls(), polls);
+}
+
+#[tokio::test(flavor = "current_thread")]
+async fn lone_calls_of_two_connections_on_one_thread_leave_receiving_to_the_transports() {
+    let (one, mut server_one) = connect(Duration::from_secs(30));
+    let (two, mut server_two) = connect(Duration::from_secs(30));
+    // the first may spin once before the second starts waiting; from then on neither does
+    let first = tokio::spawn(call(&one, 1));
+    let second = tokio::spawn(call(&two, 2));
+    let a = server_one.next_request().await;
+    let b = server_two.next_request().await;
+    for _ in 0..100 {
+        tokio::task::yield_now().await;
+    }
+    let polls = (server_one.polls(), server_two.polls());
+    for _ in 0..100 {
+        tokio::task::yield_now().await;
+    }
+    assert_eq!(
+        (server_one.polls(), server_two.polls()),
+        polls,
+        "no caller polls while another lone call waits on its thread"
+    );
+    server_one.answer(&a);
+    server_two.answer(&b);
+    assert!(server_one.link.receive() && server_two.link.receive());
+    assert_eq!(first.await.unwrap().unwrap(), 1);
+    assert_eq!(second.await.unwrap().unwrap(), 2);
+
+    // with the other call gone, a lone call spins again
+    let (client, server) = (one, server_one);
+    let peer = answer_everything(server);
+    for n in 0..20u64 {
+        let got = tokio::time::timeout(Duration::from_secs(10), call(&client, n))
+            .await
+            .expect("answered: the caller received it itself");
+        assert_eq!(got.unwrap(), n);
+    }
+    assert_eq!(peer.join().unwrap().link.found.load(Ordering::SeqCst), 20);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn on_a_multi_thread_runtime_callers_leave_receiving_to_the_transport() {
+    let (client, mut server) = connect(Duration::from_secs(30));
+    for n in 0..5u64 {
+        let pending = tokio::spawn(call(&client, n));
+        let req = server.next_request().await;
+        server.answer(&req);
+        assert!(server.link.receive());
+        assert_eq!(pending.await.unwrap().unwrap(), n);
+    }
+    assert_eq!(server.polls(), 0, "no caller polled");
+}
