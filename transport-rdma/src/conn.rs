@@ -1139,6 +1139,25 @@ impl RdmaConnection {
         Ok(())
     }
 
+    /// How long the caller of a lone call may poll the CQ itself while it waits for its
+    /// answer ([`progress`](Self::progress)): the spin window (zero: never).
+    pub(crate) fn spin_window(&self) -> Duration {
+        self.shared.spin.window()
+    }
+
+    /// Polls the CQ once from the calling task (a lone call's caller waiting for its answer)
+    /// and handles what it finds, as the completion driver would; whether it found anything.
+    /// Returns at once if another task is polling. What it finds counts as the driver's own
+    /// for its spin window, so that the driver does not arm the CQ (an event per completion)
+    /// while callers receive for themselves.
+    pub(crate) fn progress(&self) -> bool {
+        let found = matches!(self.shared.poll_once(false), Ok(n) if n > 0);
+        if found {
+            self.shared.spin.caller_found();
+        }
+        found
+    }
+
     /// Whether no SEND is in flight (every send slot is free).
     pub(crate) fn sends_idle(&self) -> bool {
         self.shared.send_permits.available_permits() >= self.send_slots
@@ -1450,6 +1469,9 @@ struct SpinWindow {
     last: AtomicU64,
     /// the decaying maximum of recent gaps, in nanoseconds
     gap: AtomicU64,
+    /// nanoseconds from `base` to the last completion a caller found for itself
+    /// ([`RdmaConnection::progress`])
+    by_caller: AtomicU64,
 }
 
 impl SpinWindow {
@@ -1461,6 +1483,7 @@ impl SpinWindow {
             base: Instant::now(),
             last: AtomicU64::new(0),
             gap: AtomicU64::new(0),
+            by_caller: AtomicU64::new(0),
         }
     }
 
@@ -1477,6 +1500,17 @@ impl SpinWindow {
             let old = self.gap.load(Ordering::Relaxed);
             self.gap.store(gap.max(old - old / 8), Ordering::Relaxed);
         }
+    }
+
+    /// A caller polling for its own answer found completions (just now: `last` is their time).
+    fn caller_found(&self) {
+        self.by_caller
+            .store(self.last.load(Ordering::Relaxed), Ordering::Relaxed);
+    }
+
+    /// Nanoseconds from `base` to the last completion a caller found for itself.
+    fn last_by_caller(&self) -> u64 {
+        self.by_caller.load(Ordering::Relaxed)
     }
 
     /// The current window.
@@ -1527,11 +1561,14 @@ async fn drive(
         // tasklet for every event) and us a wake-up, an event read and a re-arm, each a system
         // call. Busy traffic therefore never arms the CQ; an idle connection arms it after
         // the spin window and sleeps.
-        let mut last = Instant::now();
+        // (nanoseconds from the window's base) from now, or from the last completion that
+        // this driver found, or a caller polling for its own answer
+        // (`RdmaConnection::progress`)
+        let mut last = shared.spin.now();
         loop {
             match shared.poll_once(true) {
                 Ok(0) => {}
-                Ok(_) => last = Instant::now(),
+                Ok(_) => last = shared.spin.now(),
                 Err(_) => return,
             }
             if cm_open {
@@ -1541,7 +1578,11 @@ async fn drive(
                     Err(mpsc::error::TryRecvError::Disconnected) => cm_open = false,
                 }
             }
-            if last.elapsed() >= shared.spin.window() {
+            let since = shared
+                .spin
+                .now()
+                .saturating_sub(last.max(shared.spin.last_by_caller()));
+            if Duration::from_nanos(since) >= shared.spin.window() {
                 break;
             }
             spin_yield().await;

@@ -423,8 +423,10 @@ impl rpc_core::Transport for RdmaTransport {
 }
 
 /// The connection's way to post a message from any task ([`rpc_core::DirectSend`]): a server
-/// answers from the completion dispatch through it, a client posts a lone call's request. The
-/// connection's engine, once `split` has made it (weak: the reader and the writer own it).
+/// answers from the completion dispatch through it, a client posts a lone call's request (and
+/// its caller polls the CQ for the answer through it, within the connection's spin window:
+/// `RdmaConnection::progress`). The connection's engine, once `split` has made it (weak: the
+/// reader and the writer own it).
 ///
 /// A message goes only on an idle link (nothing queued for the send loop, no SEND in flight),
 /// as the writer's own posts do, and requests that came in a batch are left to the connection
@@ -459,6 +461,15 @@ impl rpc_core::DirectSend for Direct {
             // which waits, or reports the end
             Ok(false) | Err(_) => Err(msg),
         }
+    }
+
+    fn spin_window(&self) -> std::time::Duration {
+        self.engine()
+            .map_or(std::time::Duration::ZERO, |e| e.conn.spin_window())
+    }
+
+    fn progress(&self) -> bool {
+        self.engine().is_some_and(|e| e.conn.progress())
     }
 }
 
