@@ -242,6 +242,7 @@ rpcperf() { # [RUNTIME=...] rpcperf DEV LABEL ENDPOINT-OPTIONS split|one ARGS...
   # unrounded figures, in the order of the table's rows
   local mibs; mibs=$(sed -n 's/.*"gb_per_sec": \([0-9.e+-]*\).*/\1/p' "$json" 2>/dev/null \
     | awk '{printf "%.1f\n", $1 * 1e9 / 1048576}')
+  local b c r g p50 p99 p999
   while read -r b c r g p50 p99 p999; do
     local mib; mib=$(head -n 1 <<< "$mibs"); mibs=$(tail -n +2 <<< "$mibs")
     note "rpc-perf $d $label $b B: p50 $p50 us, p99 $p99 us, $r calls/s, $g GB/s (${mib:-?} MiB/s)"
