@@ -795,6 +795,15 @@ fn main() {
             std::process::exit(2);
         }
     };
+    // The library's warnings (why a connection closed, ...) on stderr; RUST_LOG overrides.
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env()
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn")),
+        )
+        .with_writer(std::io::stderr)
+        .with_ansi(false)
+        .try_init();
     let rt = if opts.current {
         tokio::runtime::Builder::new_current_thread()
             .enable_all()
