@@ -199,17 +199,30 @@ fn answer_everything(mut server: Server) -> std::thread::JoinHandle<Server> {
     })
 }
 
-#[tokio::test(flavor = "current_thread")]
-async fn a_lone_caller_receives_its_own_answer() {
-    let (client, server) = connect(Duration::from_secs(30));
+/// Makes 20 calls one after the other while [`answer_everything`] plays the server: each answer
+/// can only reach its caller through the caller's own receiving.
+async fn twenty_calls_the_caller_receives(client: &Client, server: Server) -> Server {
     let peer = answer_everything(server);
     for n in 0..20u64 {
-        let got = tokio::time::timeout(Duration::from_secs(10), call(&client, n))
+        let got = tokio::time::timeout(Duration::from_secs(10), call(client, n))
             .await
             .expect("answered: the caller received it itself");
         assert_eq!(got.unwrap(), n);
     }
-    let server = peer.join().unwrap();
+    peer.join().unwrap()
+}
+
+/// Lets this runtime's other tasks run, as often as they want to, a hundred turns.
+async fn let_tasks_run() {
+    for _ in 0..100 {
+        tokio::task::yield_now().await;
+    }
+}
+
+#[tokio::test(flavor = "current_thread")]
+async fn a_lone_caller_receives_its_own_answer() {
+    let (client, server) = connect(Duration::from_secs(30));
+    let server = twenty_calls_the_caller_receives(&client, server).await;
     assert_eq!(server.link.found.load(Ordering::SeqCst), 20);
     assert!(server.link.wire.lock().unwrap().is_empty());
 }
@@ -237,14 +250,10 @@ async fn with_other_calls_in_flight_callers_leave_receiving_to_the_transport() {
     let second = tokio::spawn(call(&client, 2));
     let a = server.next_request().await;
     let b = server.next_request().await;
-    // both wait now; let them run as often as they want
-    for _ in 0..100 {
-        tokio::task::yield_now().await;
-    }
+    // both wait now
+    let_tasks_run().await;
     let polls = server.polls();
-    for _ in 0..100 {
-        tokio::task::yield_now().await;
-    }
+    let_tasks_run().await;
     assert_eq!(
         server.polls(),
         polls,
@@ -280,9 +289,7 @@ async fn a_spin_ends_with_its_window_and_the_transport_delivers_the_answer() {
         "the caller stopped polling within its window"
     );
     let polls = server.polls();
-    for _ in 0..100 {
-        tokio::task::yield_now().await;
-    }
+    let_tasks_run().await;
     assert_eq!(server.polls(), polls, "the caller no longer polls");
     assert!(!pending.is_finished());
     server.answer(&req);
@@ -300,13 +307,9 @@ async fn lone_calls_of_two_connections_on_one_thread_leave_receiving_to_the_tran
     let second = tokio::spawn(call(&two, 2));
     let a = server_one.next_request().await;
     let b = server_two.next_request().await;
-    for _ in 0..100 {
-        tokio::task::yield_now().await;
-    }
+    let_tasks_run().await;
     let polls = (server_one.polls(), server_two.polls());
-    for _ in 0..100 {
-        tokio::task::yield_now().await;
-    }
+    let_tasks_run().await;
     assert_eq!(
         (server_one.polls(), server_two.polls()),
         polls,
@@ -319,15 +322,8 @@ async fn lone_calls_of_two_connections_on_one_thread_leave_receiving_to_the_tran
     assert_eq!(second.await.unwrap().unwrap(), 2);
 
     // with the other call gone, a lone call spins again
-    let (client, server) = (one, server_one);
-    let peer = answer_everything(server);
-    for n in 0..20u64 {
-        let got = tokio::time::timeout(Duration::from_secs(10), call(&client, n))
-            .await
-            .expect("answered: the caller received it itself");
-        assert_eq!(got.unwrap(), n);
-    }
-    assert_eq!(peer.join().unwrap().link.found.load(Ordering::SeqCst), 20);
+    let server = twenty_calls_the_caller_receives(&one, server_one).await;
+    assert_eq!(server.link.found.load(Ordering::SeqCst), 20);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
