@@ -7,12 +7,20 @@
 //! verbs-pingpong --server --addr 10.99.0.1:19500 [--device rxe0] [--busy-poll-us 2000]
 //! verbs-pingpong --client --addr 10.99.0.1:19500 [--device rxe0] [--busy-poll-us 2000]
 //!                [--rounds 20000] [--size 32] [--event-interval 61]
+//!                [--footprint N] [--footprint-same]
 //! (both)         [--runtime multi|current] [--slots 32] [--slot-size 16384]
 //! ```
 //!
 //! `--slots` sets both the receive slots posted and the SEND slots of each side, and
 //! `--slot-size` their size (`RdmaOptions::recv_slots`, `send_slots`, `slot_size`): how much
 //! memory a ping-pong cycles through.
+//!
+//! `--footprint N` makes the client run N distinct small functions (at most 4096) before each
+//! round trip, outside its timing: more user-space code between two `ibv_post_send` calls, as
+//! rpc-core's work per call is. `--footprint-same` runs one of them N times instead (the same
+//! number of instructions, a footprint of one function). The client also reports the p50 of its
+//! `send` (the post's system call and the SEND's local completion), where under emulation the
+//! footprint shows (README, "Latency": "Code between two posts").
 //!
 //! `--runtime current` runs on tokio's current-thread runtime, as `rpc-perf --runtime current`
 //! does; the default is a multi-thread runtime with one worker.
@@ -33,6 +41,63 @@ struct Args {
     event_interval: Option<u32>,
     /// tokio's current-thread runtime instead of a one-worker multi-thread one
     current: bool,
+    /// distinct functions the client runs before each round trip
+    footprint: usize,
+    /// run the first of them `footprint` times instead
+    footprint_same: bool,
+}
+
+/// One of the distinct functions of `--footprint`: each `K` is its own machine code.
+#[inline(never)]
+fn footprint_step<const K: u64>(x: u64) -> u64 {
+    let y = x.wrapping_mul(K.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1);
+    if y & 1 == 0 {
+        y.rotate_left((K % 61 + 1) as u32) ^ K
+    } else {
+        y ^ K.wrapping_mul(7).wrapping_add(3)
+    }
+}
+
+/// Nested arrays of `footprint_step::<K>` for K in 0..4^(number of `x`s).
+macro_rules! footprint_table {
+    (@ $k:expr;) => {
+        footprint_step::<{ $k }>
+    };
+    (@ $k:expr; x $($rest:tt)*) => {
+        [
+            footprint_table!(@ $k * 4; $($rest)*),
+            footprint_table!(@ $k * 4 + 1; $($rest)*),
+            footprint_table!(@ $k * 4 + 2; $($rest)*),
+            footprint_table!(@ $k * 4 + 3; $($rest)*),
+        ]
+    };
+}
+
+type Step = fn(u64) -> u64;
+/// 64 steps; the table holds 64 of those
+type Steps64 = [[[Step; 4]; 4]; 4];
+static FOOTPRINT: [[[Steps64; 4]; 4]; 4] = footprint_table!(@ 0; x x x x x x);
+
+/// Runs the first `n` distinct functions of the table (or the first one `n` times).
+#[inline(never)]
+fn footprint(n: usize, same: bool, seed: u64) -> u64 {
+    let steps = FOOTPRINT
+        .as_flattened()
+        .as_flattened()
+        .as_flattened()
+        .as_flattened()
+        .as_flattened();
+    let mut x = seed;
+    if same {
+        for _ in 0..n {
+            x = std::hint::black_box(steps[0])(x);
+        }
+    } else {
+        for step in steps.iter().take(n) {
+            x = step(x);
+        }
+    }
+    x
 }
 
 fn parse() -> Result<Args, String> {
@@ -43,6 +108,8 @@ fn parse() -> Result<Args, String> {
     let mut size = 32;
     let mut event_interval = None;
     let mut current = false;
+    let mut footprint = 0;
+    let mut footprint_same = false;
     let mut it = std::env::args().skip(1);
     while let Some(a) = it.next() {
         let mut value = |name: &str| it.next().ok_or(format!("{name} needs a value"));
@@ -93,6 +160,15 @@ fn parse() -> Result<Args, String> {
                         .map_err(|e| format!("--event-interval: {e}"))?,
                 )
             }
+            "--footprint" => {
+                footprint = value("--footprint")?
+                    .parse()
+                    .map_err(|e| format!("--footprint: {e}"))?;
+                if footprint > 4096 {
+                    return Err("--footprint: at most 4096".into());
+                }
+            }
+            "--footprint-same" => footprint_same = true,
             "--runtime" => {
                 current = match value("--runtime")?.as_str() {
                     "multi" => false,
@@ -111,6 +187,8 @@ fn parse() -> Result<Args, String> {
         size,
         event_interval,
         current,
+        footprint,
+        footprint_same,
     })
 }
 
@@ -135,9 +213,14 @@ async fn client(args: Args) -> Result<(), String> {
     let msg = vec![0x5Au8; args.size];
     let warmup = (args.rounds / 10).max(100);
     let mut times = Vec::with_capacity(args.rounds);
+    let mut sends = Vec::with_capacity(args.rounds);
     for i in 0..warmup + args.rounds {
+        if args.footprint > 0 {
+            std::hint::black_box(footprint(args.footprint, args.footprint_same, i as u64));
+        }
         let t = Instant::now();
         conn.send(&msg).await.map_err(|e| format!("send: {e}"))?;
+        let sent = t.elapsed();
         let back = conn
             .recv_bytes()
             .await
@@ -152,19 +235,22 @@ async fn client(args: Args) -> Result<(), String> {
         }
         if i >= warmup {
             times.push(t.elapsed());
+            sends.push(sent);
         }
     }
     times.sort();
+    sends.sort();
     let at = |q: f64| times[((times.len() - 1) as f64 * q) as usize].as_secs_f64() * 1e6;
     let mean = times.iter().sum::<Duration>().as_secs_f64() * 1e6 / times.len() as f64;
     println!(
-        "{} x {} B SEND/RECV round trips on {}: p50 {:.1} us p99 {:.1} us mean {:.1} us",
+        "{} x {} B SEND/RECV round trips on {}: p50 {:.1} us p99 {:.1} us mean {:.1} us (send p50 {:.1} us)",
         times.len(),
         args.size,
         conn.device_name(),
         at(0.5),
         at(0.99),
-        mean
+        mean,
+        sends[sends.len() / 2].as_secs_f64() * 1e6
     );
     conn.close();
     Ok(())
