@@ -45,6 +45,26 @@ mod srq {
     transport_suite!(ep_srq);
 }
 
+/// The same suite against servers that poll in bursts of 200 µs (`poll_burst_us`, see
+/// transport-rdma's `RdmaOptions::poll_burst`) within a fixed 2 ms spin window, as the
+/// busy-poll latency figures run: deadlines, cancellation, flow control, shutdown and a
+/// server killed mid-call all hold while the server's driver hands back to its runtime only
+/// every 200 µs (the clients' connections ignore the option).
+mod burst {
+    use super::suite;
+    use crate::transport_suite;
+    use rdma_rpc::Endpoint;
+
+    fn ep_burst() -> Endpoint {
+        let ep = super::ep().to_string();
+        format!("{ep}&busy_poll_us=2000&poll_burst_us=200")
+            .parse()
+            .unwrap()
+    }
+
+    transport_suite!(ep_burst);
+}
+
 /// The facade's pool counters on the client side ([`rdma_rpc::Client::rdma_pools`]): they
 /// follow the client across a reconnection, and once the client is dropped and its server gone,
 /// every buffer of both connections is back and every region freed.

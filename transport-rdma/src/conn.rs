@@ -842,7 +842,13 @@ impl RdmaConnection {
                 format!("{recv_slots} receives posted")
             }
         );
-        let driver = tokio::spawn(drive(Arc::clone(&shared), afd, cm_rx));
+        // a client's lone callers poll for their own answers; only a server's driver bursts
+        let burst = if passive {
+            opts.poll_burst
+        } else {
+            Duration::ZERO
+        };
+        let driver = tokio::spawn(drive(Arc::clone(&shared), afd, cm_rx, burst));
         Ok(RdmaConnection {
             shared,
             recv_rx: tokio::sync::Mutex::new(recv_rx),
@@ -1547,14 +1553,18 @@ fn spin_yield() -> impl std::future::Future<Output = ()> {
 
 /// The completion driver of one connection: drains the CQ, arms it and sleeps on the
 /// completion channel's fd (tasks waiting for a completion busy-poll inline first, see
-/// `Shared::spin_until`); also handles the id's rdma_cm events.
+/// `Shared::spin_until`); also handles the id's rdma_cm events. Within the spin window it
+/// lets the runtime's other tasks run after every poll, or after every `burst` of polling
+/// ([`RdmaOptions::poll_burst`]).
 async fn drive(
     shared: Arc<Shared>,
     afd: AsyncFd<verbs::FdOwner<Cq>>,
     mut cm_rx: mpsc::UnboundedReceiver<CmEvent>,
+    burst: Duration,
 ) {
     let cq = Arc::clone(&afd.get_ref().0);
     let mut cm_open = true;
+    let burst = u64::try_from(burst.as_nanos()).unwrap_or(u64::MAX);
     loop {
         // Keep polling while completions keep coming, and for the spin window after the last one,
         // before arming: an armed CQ costs the provider work per completion (rxe schedules a
@@ -1565,6 +1575,8 @@ async fn drive(
         // this driver found, or a caller polling for its own answer
         // (`RdmaConnection::progress`)
         let mut last = shared.spin.now();
+        // when this burst of polling began
+        let mut burst_from = last;
         loop {
             match shared.poll_once(true) {
                 Ok(0) => {}
@@ -1578,14 +1590,17 @@ async fn drive(
                     Err(mpsc::error::TryRecvError::Disconnected) => cm_open = false,
                 }
             }
-            let since = shared
-                .spin
-                .now()
-                .saturating_sub(last.max(shared.spin.last_by_caller()));
+            let now = shared.spin.now();
+            let since = now.saturating_sub(last.max(shared.spin.last_by_caller()));
             if Duration::from_nanos(since) >= shared.spin.window() {
                 break;
             }
-            spin_yield().await;
+            if burst == 0 || now.saturating_sub(burst_from) >= burst {
+                spin_yield().await;
+                if burst != 0 {
+                    burst_from = shared.spin.now();
+                }
+            }
         }
         if let Err(e) = cq.arm() {
             fail_all(&shared, &format!("{e}"));

@@ -7,7 +7,9 @@
 //! RDMA WRITE / READ of registered buffers. Completions reach tokio through the completion channel's fd (`AsyncFd`),
 //! after a busy-poll whose window follows the connection's round trip
 //! ([`RdmaOptions::busy_poll`], [`RdmaOptions::busy_poll_max`]): a connection whose calls follow
-//! each other keeps polling across its round trip, an idle one sleeps.
+//! each other keeps polling across its round trip, an idle one sleeps. A server may let its
+//! drivers poll in bursts without handing back to the runtime ([`RdmaOptions::poll_burst`],
+//! off by default).
 //!
 //! rdma-core is loaded at run time: where it is missing, or there is no RDMA device, every entry
 //! point returns [`RdmaError::Unavailable`] (never a panic), so one binary serves TCP anywhere.
@@ -277,6 +279,17 @@ pub struct RdmaOptions {
     /// and an idle one sleeps after at most this long. At or below `busy_poll`: a fixed window
     /// of `busy_poll`
     pub busy_poll_max: Duration,
+    /// A server's polling burst: how long the completion driver of a connection that a
+    /// listener accepted keeps polling the CQ before it lets the runtime's other tasks run
+    /// (0, the default: it lets them run after every poll). While a connection is busy its
+    /// driver handles each request where it finds it and polls on; every hand-back to the
+    /// runtime runs the scheduler's code between two posts, which under emulation makes the
+    /// next post slower (README, "Latency"). The other tasks of the driver's runtime thread
+    /// wait up to this long each time, so it suits a server whose thread serves one busy
+    /// connection and whose handlers answer without waiting; it applies only within the spin
+    /// window (`busy_poll`), and a connection that connected (a client's) ignores it: there the
+    /// caller of a lone call polls for its own answer.
+    pub poll_burst: Duration,
     /// limit for address/route resolution and connection establishment
     pub connect_timeout: Duration,
     /// if set, connections must run on this RDMA device (e.g. `rxe0`), else they fail
@@ -336,6 +349,7 @@ impl Default for RdmaOptions {
             slot_size: 16 * 1024,
             busy_poll: Duration::from_micros(50),
             busy_poll_max: Duration::from_millis(1),
+            poll_burst: Duration::ZERO,
             connect_timeout: Duration::from_secs(10),
             device: None,
             push_up_to: DEFAULT_PUSH_UP_TO,

@@ -89,7 +89,8 @@ fn effective(opts: &RdmaOptions, config: &Config) -> RdmaOptions {
 impl RdmaOptions {
     /// The defaults with an `rdma://` endpoint's transport options applied: `device=NAME`,
     /// `busy_poll=0|1` (off, or the default spin), `busy_poll_us=N` (a fixed spin window),
-    /// `busy_poll_max_us=N` (the adaptive window's ceiling), `recv_slots=N`,
+    /// `busy_poll_max_us=N` (the adaptive window's ceiling), `poll_burst_us=N` (a server's
+    /// polling burst, [`RdmaOptions::poll_burst`]), `recv_slots=N`,
     /// `slot_size=N` (both sides must agree on these two), `srq_slots=N` (a server's shared
     /// receive queue), `push_up_to=N` or
     /// `rendezvous=pull|push` (see [`RdmaOptions::push_up_to`]), `max_fallback_bytes=N`,
@@ -126,6 +127,7 @@ impl RdmaOptions {
                     o.busy_poll_max = o.busy_poll;
                 }
                 "busy_poll_max_us" => max = Some(std::time::Duration::from_micros(num(k, v)?)),
+                "poll_burst_us" => o.poll_burst = std::time::Duration::from_micros(num(k, v)?),
                 "recv_slots" => o.recv_slots = num(k, v)? as usize,
                 "push_up_to" => o.push_up_to = num(k, v)?,
                 "max_fallback_bytes" => o.max_fallback_bytes = num(k, v)?,
@@ -1891,6 +1893,18 @@ mod tests {
         }
         assert!(
             RdmaOptions::from_endpoint(&"rdma://h:1?busy_poll_max_us=x".parse().unwrap()).is_err()
+        );
+    }
+
+    #[test]
+    fn poll_burst_from_the_endpoint() {
+        assert_eq!(opts("").poll_burst, Duration::ZERO, "off by default");
+        assert_eq!(
+            opts("busy_poll_us=2000&poll_burst_us=200").poll_burst,
+            Duration::from_micros(200)
+        );
+        assert!(
+            RdmaOptions::from_endpoint(&"rdma://h:1?poll_burst_us=-1".parse().unwrap()).is_err()
         );
     }
 
