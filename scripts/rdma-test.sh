@@ -211,6 +211,9 @@ done
 # the small call (an empty payload echoed) and the puts, as the main figures and the paired rounds
 # below both run them
 SMALL_ECHO=(--op echo --sizes 0 --concurrency 1 --duration 3 --warmup 1)
+# busy-poll: a fixed 2 ms spin window, and the server's driver polls in bursts of 200 us
+# (transport-rdma's RdmaOptions::poll_burst; a client's connection ignores it)
+BUSY="&busy_poll_us=2000&poll_burst_us=200"
 PUTS=(--op put --sizes 1m,16m --concurrency 4 --threads 2 --warmup 2)
 PERF_PORT=18600
 RUNTIME="--runtime current"
@@ -251,13 +254,13 @@ rpcperf() { # [RUNTIME=...] rpcperf DEV LABEL ENDPOINT-OPTIONS split|one ARGS...
 if [ -x perf/rpc-perf ]; then
   for d in "${DEVS[@]}"; do
     echo "=================== rpc-perf on $d"
-    rpcperf "$d" "small-call-busy-poll" "&busy_poll_us=2000" split "${SMALL_ECHO[@]}"
+    rpcperf "$d" "small-call-busy-poll" "$BUSY" split "${SMALL_ECHO[@]}"
     # the smallest call there is: a u64 each way, no payload (the line above echoes an empty
     # payload, which takes the attachment path on both sides)
-    rpcperf "$d" "small-call-ping-busy-poll" "&busy_poll_us=2000" split --op ping --sizes 0 --concurrency 1 --duration 3 --warmup 1
+    rpcperf "$d" "small-call-ping-busy-poll" "$BUSY" split --op ping --sizes 0 --concurrency 1 --duration 3 --warmup 1
     rpcperf "$d" "small-call-default" "" split "${SMALL_ECHO[@]}"
     rpcperf "$d" "small-call-event-mode" "&busy_poll=0" split "${SMALL_ECHO[@]}"
-    RUNTIME="--threads 1" rpcperf "$d" "small-call-busy-poll-multi-thread" "&busy_poll_us=2000" split "${SMALL_ECHO[@]}"
+    RUNTIME="--threads 1" rpcperf "$d" "small-call-busy-poll-multi-thread" "$BUSY" split "${SMALL_ECHO[@]}"
     rpcperf "$d" "64-in-flight" "" one --op echo --sizes 64 --concurrency 64 --threads 2 --duration 3 --warmup 1
     # 4 in flight (perftest's ib_read_bw keeps up to 128 READs outstanding on rxe and siw), from
     # buffers the connection lends (rpc-perf's default; --heap copies each payload in), and a
@@ -287,7 +290,7 @@ if [ -x perf/rpc-perf ]; then
     # the host splits the records after the run (scripts/latency-split.py)
     if [ -x perf/probe/rpc-perf ]; then
       PERF_PORT=$((PERF_PORT+1)); pdir=logs/probe-$d; rm -rf "$pdir"; mkdir -p "$pdir"
-      ep="rdma://${IP[$d]}:$PERF_PORT?device=$d&busy_poll_us=2000"
+      ep="rdma://${IP[$d]}:$PERF_PORT?device=$d$BUSY"
       RDMA_RPC_PROBE_DIR=$pdir ./perf/probe/rpc-perf --server $RUNTIME --endpoint "$ep" \
         > "$pdir/server.log" 2>&1 & psrv=$!
       for _ in $(seq 300); do
@@ -397,7 +400,7 @@ if [ "${RDMA_TEST_PERFTEST:-1}" = 1 ] && [ -x perf/rpc-perf ]; then
     if [ "$d" = siw0 ]; then CM=(-R); else CM=(-x 1); fi
     for r in 1 2 3; do
       perf "$d" ib_send_lat "${CM[@]}" -n 1000 -F
-      rpcperf "$d" "small-call-busy-poll-paired-$r" "&busy_poll_us=2000" split "${SMALL_ECHO[@]}"
+      rpcperf "$d" "small-call-busy-poll-paired-$r" "$BUSY" split "${SMALL_ECHO[@]}"
       perf "$d" ib_read_bw "${CM[@]}" -n 2000 -F
       rpcperf "$d" "bandwidth-paired-$r" "" one "${PUTS[@]}" --duration 6
     done
