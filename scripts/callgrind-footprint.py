@@ -1,0 +1,86 @@
+#!/usr/bin/env python3
+"""The code a process runs on every call: distinct instructions per call, from two callgrind runs.
+
+    callgrind-footprint.py SHORT.out LONG.out CALLS [TOP]
+
+SHORT.out and LONG.out are callgrind outputs (`--dump-instr=yes --compress-pos=no
+--compress-strings=no`) of the same program doing the same work, LONG with CALLS more calls than
+SHORT. An instruction whose count grew by at least CALLS / 2 between the two runs runs (about)
+once per call or more: it is part of the per-call footprint. Set-up and tear-down code runs as
+often in both runs and drops out.
+
+Prints the footprint (distinct instructions), the instructions executed per call, the footprint
+per object file, and the TOP (default 25) functions with the largest share of it.
+
+Why it matters (README, "Latency", "Code between two posts"): under QEMU's TCG the kernel's
+work in `ibv_post_send` runs slower the more distinct user-space code ran since the last post,
+so this count, which does not depend on load, predicts latency in the test bed better than a
+timing does.
+"""
+import collections
+import subprocess
+import sys
+
+
+def load(path):
+    """(object, function, address) -> self cost (Ir) of one callgrind output."""
+    cost = collections.defaultdict(int)
+    ob = fn = None
+    skip = False
+    with open(path) as f:
+        for line in f:
+            if skip:  # the cost line after `calls=` is the call's inclusive cost
+                skip = False
+                continue
+            if line.startswith("ob="):
+                ob = line[3:].strip()
+            elif line.startswith("fn="):
+                fn = line[3:].strip()
+            elif line.startswith("calls="):
+                skip = True
+            elif line.startswith("0x"):
+                p = line.split()
+                cost[(ob, fn, int(p[0], 16))] += int(p[-1])
+    return cost
+
+
+def main():
+    if len(sys.argv) < 4:
+        sys.exit(__doc__)
+    short, long_ = load(sys.argv[1]), load(sys.argv[2])
+    calls = int(sys.argv[3])
+    top = int(sys.argv[4]) if len(sys.argv) > 4 else 25
+    if calls <= 0:
+        sys.exit("callgrind-footprint: CALLS must be positive")
+    per = {}
+    for k, c in long_.items():
+        d = c - short.get(k, 0)
+        if d >= calls / 2:
+            per[k] = d
+    print(f"footprint: {len(per)} distinct instructions per call; "
+          f"{sum(per.values()) / calls:.0f} instructions executed per call")
+    by_ob = collections.Counter()
+    by_fn = collections.Counter()
+    ir_fn = collections.Counter()
+    for (ob, fn, _), c in per.items():
+        o = (ob or "?").rsplit("/", 1)[-1]
+        by_ob[o] += 1
+        by_fn[(o, fn)] += 1
+        ir_fn[(o, fn)] += c
+    for o, n in by_ob.most_common():
+        print(f"  {n:6d}  {o}")
+    rows = by_fn.most_common(top)
+    names = "\n".join(fn or "?" for (_, fn), _ in rows)
+    try:
+        demangled = subprocess.run(["c++filt"], input=names, capture_output=True,
+                                   text=True, check=True).stdout.split("\n")
+    except (OSError, subprocess.CalledProcessError):
+        demangled = names.split("\n")
+    print(f"  {len(by_fn)} functions; the {len(rows)} with the most distinct instructions "
+          "(distinct, executed per call, object, function):")
+    for ((o, fn), n), name in zip(rows, demangled):
+        print(f"  {n:5d} {ir_fn[(o, fn)] / calls:7.0f}  {o[:24]:24s} {name[:140]}")
+
+
+if __name__ == "__main__":
+    main()
