@@ -41,6 +41,9 @@
 //! cargo run --release --example lossy-link -- --help
 //! ```
 
+#[path = "common/log.rs"]
+mod log;
+
 use std::process::ExitCode;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
@@ -661,14 +664,7 @@ async fn main() -> ExitCode {
         }
     };
     // The library's warnings (why a connection closed, ...) on stderr; RUST_LOG overrides.
-    let _ = tracing_subscriber::fmt()
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_default_env()
-                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn")),
-        )
-        .with_writer(std::io::stderr)
-        .with_ansi(false)
-        .try_init();
+    log::warnings_to_stderr();
     let bound = Duration::from_secs(60) + d.duration + d.deadline_max.max(d.tight) + d.hang;
     let result = match mode {
         Mode::Serve => serve(endpoint).await,

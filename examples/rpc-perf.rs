@@ -30,6 +30,9 @@
 //! Prints per size: p50/p99/p99.9 round trip, calls/s and GB/s (1 GB = 1e9 bytes);
 //! `--json FILE` writes the same numbers, `--svg FILE` draws latency and bandwidth by size.
 
+#[path = "common/log.rs"]
+mod log;
+
 use std::fmt::Write as _;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
@@ -796,14 +799,7 @@ fn main() {
         }
     };
     // The library's warnings (why a connection closed, ...) on stderr; RUST_LOG overrides.
-    let _ = tracing_subscriber::fmt()
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_default_env()
-                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn")),
-        )
-        .with_writer(std::io::stderr)
-        .with_ansi(false)
-        .try_init();
+    log::warnings_to_stderr();
     let rt = if opts.current {
         tokio::runtime::Builder::new_current_thread()
             .enable_all()
