@@ -19,7 +19,7 @@ use crate::verbs::{
     Qp, QpCaps, Region, RemoteAddr, Srq, Transport, Wc, WrKind,
 };
 use crate::{RdmaOptions, ReadDepth, TransportKind};
-use rpc_core::ids::IdMap;
+use rpc_core::ids::IdIndex;
 use rpc_core::pool::{Pool, SizeClass};
 use rpc_core::rendezvous::{RecvBudget, START_WINDOW};
 
@@ -288,10 +288,12 @@ pub(crate) enum PoolUse {
 
 #[derive(Default)]
 struct State {
-    waiters: IdMap<oneshot::Sender<Done>>,
+    /// tasks waiting for their work requests' completions, by work-request id (an entry goes
+    /// before the QP retires its id, see `dispatch`)
+    waiters: IdIndex<oneshot::Sender<Done>>,
     /// SENDs posted with no task waiting (see `RdmaConnection::post_slot_now`): their slots go
     /// back to the pool, and their permits are released, when they complete
-    unattended: IdMap<(Arc<Region>, tokio::sync::OwnedSemaphorePermit)>,
+    unattended: IdIndex<(Arc<Region>, tokio::sync::OwnedSemaphorePermit)>,
     /// set once the connection is unusable: why
     closed: Option<String>,
     /// set by the first real failure (an error completion other than a flush, a driver error):
@@ -1141,7 +1143,8 @@ impl RdmaConnection {
             return Err(RdmaError::Closed(Some(why.clone())));
         }
         let wr_id = self.shared.qp.post_send(&slot, 0, len)?;
-        st.unattended.insert(wr_id, (slot, permit));
+        let clash = st.unattended.insert(wr_id, (slot, permit));
+        debug_assert!(clash.is_none(), "a work-request id outlived its request");
         Ok(())
     }
 
@@ -1345,7 +1348,8 @@ fn post(
     }
     let wr_id = op(&shared.qp)?;
     let (tx, rx) = oneshot::channel();
-    st.waiters.insert(wr_id, tx);
+    let clash = st.waiters.insert(wr_id, tx);
+    debug_assert!(clash.is_none(), "a work-request id outlived its request");
     Ok(rx)
 }
 
@@ -1678,6 +1682,17 @@ fn dispatch(shared: &Shared, wcs: &[Wc]) {
         if wc.kind == WrKind::Recv {
             crate::probe::mark(crate::probe::Point::Recv);
         }
+        // what this connection keeps for a work request leaves its tables before the QP retires
+        // the request's id, which frees the id's slot for the next post
+        let (waiter, unattended) = if wc.kind == WrKind::Recv {
+            (None, None)
+        } else {
+            let mut st = lock(&shared.state);
+            match st.waiters.remove(wc.wr_id) {
+                Some(w) => (Some(w), None),
+                None => (None, st.unattended.remove(wc.wr_id)),
+            }
+        };
         let mem = shared.qp.retire(wc.wr_id);
         let op = match wc.kind {
             WrKind::Recv => "RECV",
@@ -1731,13 +1746,6 @@ fn dispatch(shared: &Shared, wcs: &[Wc]) {
                     other => {
                         drop(other);
                         None
-                    }
-                };
-                let (waiter, unattended) = {
-                    let mut st = lock(&shared.state);
-                    match st.waiters.remove(&wc.wr_id) {
-                        Some(w) => (Some(w), None),
-                        None => (None, st.unattended.remove(&wc.wr_id)),
                     }
                 };
                 if let (true, Some((slot, _permit))) = (wc.ok(), unattended) {
@@ -1820,10 +1828,7 @@ fn fail_all(shared: &Shared, why: &str) {
 fn fail_waiters(shared: &Shared, why: &str) {
     let (waiters, unattended): (Vec<_>, Vec<_>) = {
         let mut st = lock(&shared.state);
-        (
-            st.waiters.drain().map(|(_, w)| w).collect(),
-            st.unattended.drain().collect(),
-        )
+        (st.waiters.drain(), st.unattended.drain())
     };
     // their slots are not reused: they go when the QP lets go of them
     drop(unattended);

@@ -39,7 +39,6 @@ use std::net::SocketAddr;
 use std::os::fd::{AsRawFd, RawFd};
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::ptr::NonNull;
-use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, OnceLock, Weak};
 use std::time::Duration;
 
@@ -65,7 +64,7 @@ use sideway::ibverbs::AccessFlags;
 
 use crate::error::RdmaError;
 use crate::ReadDepth;
-use rpc_core::ids::IdMap;
+use rpc_core::ids::IdSlab;
 
 /// Runs `f`, turning a panic inside sideway (unknown enum value) into an error.
 /// (With `panic = "abort"` nothing can be caught; the values guarded here come from the kernel and
@@ -923,7 +922,7 @@ pub(crate) enum WrKind {
 }
 
 impl WrKind {
-    fn tag(self) -> u64 {
+    fn tag(self) -> u8 {
         match self {
             WrKind::Recv => 1,
             WrKind::Send => 2,
@@ -1026,9 +1025,8 @@ pub(crate) struct Qp {
     qp: ManuallyDrop<RawQp>,
     /// serializes `ibv_modify_qp` calls
     modify_lock: Mutex<()>,
-    inflight: Mutex<IdMap<InFlight>>,
+    inflight: Mutex<IdSlab<InFlight>>,
     qp_num: u32,
-    next_wr: AtomicU64,
     srq: Option<Arc<Srq>>,
     device: Arc<Device>,
     _cq: Arc<Cq>,
@@ -1119,9 +1117,8 @@ impl Qp {
         Ok(Arc::new(Qp {
             qp: ManuallyDrop::new(RawQp { qp }),
             modify_lock: Mutex::new(()),
-            inflight: Mutex::new(IdMap::default()),
+            inflight: Mutex::new(IdSlab::default()),
             qp_num,
-            next_wr: AtomicU64::new(1),
             srq: srq.cloned(),
             device: Arc::clone(device),
             _cq: Arc::clone(cq),
@@ -1252,10 +1249,6 @@ impl Qp {
         self.modify(&attr, "ibv_modify_qp (error)")
     }
 
-    fn new_wr_id(&self, kind: WrKind) -> u64 {
-        (kind.tag() << 56) | (self.next_wr.fetch_add(1, Ordering::Relaxed) & ((1 << 56) - 1))
-    }
-
     /// Checks that `[off, off+len)` lies in `region`, registered on this QP's PD.
     fn check(&self, region: &Region, off: usize, len: usize) -> Result<(), RdmaError> {
         if !Arc::ptr_eq(&region.device, &self.device) {
@@ -1323,10 +1316,9 @@ impl Qp {
         let lkey = op_mr
             .as_ref()
             .map_or_else(|| region.mr.lkey(), |m| m.lkey());
-        let wr_id = self.new_wr_id(kind);
         let mut inflight = lock(&self.inflight);
-        inflight.insert(
-            wr_id,
+        let wr_id = inflight.insert(
+            kind.tag(),
             InFlight {
                 _mr: op_mr,
                 mem: Mem::Region(Arc::clone(region)),
@@ -1342,7 +1334,7 @@ impl Qp {
         // destroyed; `lkey` belongs to an MR covering the whole region
         let res = self.post_send_wr(wr_id, opcode, (lkey, region.addr(off), len), remote);
         if let Err(e) = res {
-            inflight.remove(&wr_id);
+            inflight.remove(wr_id);
             let op = match kind {
                 WrKind::Write => "ibv_post_send (RDMA WRITE)",
                 WrKind::Read => "ibv_post_send (RDMA READ)",
@@ -1362,7 +1354,7 @@ impl Qp {
             return srq.retire(wr_id);
         }
         let mut inflight = lock(&self.inflight);
-        inflight.remove(&wr_id).map(|f| f.mem)
+        inflight.remove(wr_id).map(|f| f.mem)
     }
 
     fn check_pool(&self, buf: &PoolBuf, len: usize) -> Result<(), RdmaError> {
@@ -1391,10 +1383,9 @@ impl Qp {
             return Err((e, buf));
         }
         let (addr, lkey) = (buf.addr(), buf.region.mr.lkey());
-        let wr_id = self.new_wr_id(WrKind::Recv);
         let mut inflight = lock(&self.inflight);
-        inflight.insert(
-            wr_id,
+        let wr_id = inflight.insert(
+            WrKind::Recv.tag(),
             InFlight {
                 _mr: None,
                 mem: Mem::Pool(buf),
@@ -1458,10 +1449,9 @@ impl Qp {
             )));
         }
         let lkey = region.mr.lkey();
-        let wr_id = self.new_wr_id(WrKind::Write);
         let mut inflight = lock(&self.inflight);
-        inflight.insert(
-            wr_id,
+        let wr_id = inflight.insert(
+            WrKind::Write.tag(),
             InFlight {
                 _mr: None,
                 mem: Mem::View {
@@ -1481,7 +1471,7 @@ impl Qp {
             Some(remote),
         );
         res.map(|()| wr_id).map_err(|e| {
-            inflight.remove(&wr_id);
+            inflight.remove(wr_id);
             RdmaError::Verbs {
                 op: "ibv_post_send (RDMA WRITE)",
                 source: Box::new(e),
@@ -1520,10 +1510,9 @@ impl Qp {
         let lkey = op_mr
             .as_ref()
             .map_or_else(|| buf.region.mr.lkey(), |m| m.lkey());
-        let wr_id = self.new_wr_id(kind);
         let mut inflight = lock(&self.inflight);
-        inflight.insert(
-            wr_id,
+        let wr_id = inflight.insert(
+            kind.tag(),
             InFlight {
                 _mr: op_mr,
                 mem: Mem::Pool(buf),
@@ -1556,8 +1545,7 @@ impl Qp {
 pub(crate) struct Srq {
     // drop order: the SRQ is destroyed (in Drop) before the buffers posted to it are released
     srq: NonNull<ibv_srq>,
-    inflight: Mutex<IdMap<PoolBuf>>,
-    next_wr: AtomicU64,
+    inflight: Mutex<IdSlab<PoolBuf>>,
     device: Arc<Device>,
 }
 
@@ -1587,8 +1575,7 @@ impl Srq {
         })?;
         Ok(Arc::new(Srq {
             srq,
-            inflight: Mutex::new(IdMap::default()),
-            next_wr: AtomicU64::new(1),
+            inflight: Mutex::new(IdSlab::default()),
             device: Arc::clone(device),
         }))
     }
@@ -1623,10 +1610,8 @@ impl Srq {
             length: len as u32,
             lkey: buf.region.mr.lkey(),
         };
-        let wr_id = (WrKind::Recv.tag() << 56)
-            | (self.next_wr.fetch_add(1, Ordering::Relaxed) & ((1 << 56) - 1));
         let mut inflight = lock(&self.inflight);
-        inflight.insert(wr_id, buf);
+        let wr_id = inflight.insert(WrKind::Recv.tag(), buf);
         let mut wr = ibv_recv_wr {
             wr_id,
             next: std::ptr::null_mut(),
@@ -1641,7 +1626,7 @@ impl Srq {
         let ret =
             unsafe { rdma_mummy_sys::ibv_post_srq_recv(self.srq.as_ptr(), &mut wr, &mut bad) };
         if ret != 0 {
-            let Some(buf) = inflight.remove(&wr_id) else {
+            let Some(buf) = inflight.remove(wr_id) else {
                 unreachable!("inserted before posting")
             };
             return Err((
@@ -1657,7 +1642,7 @@ impl Srq {
 
     fn retire(&self, wr_id: u64) -> Option<Mem> {
         let mut inflight = lock(&self.inflight);
-        inflight.remove(&wr_id).map(Mem::Pool)
+        inflight.remove(wr_id).map(Mem::Pool)
     }
 }
 
@@ -1676,7 +1661,7 @@ impl Drop for Srq {
 /// A pool work request that failed to post: its buffer comes back out of `inflight`, with the
 /// error.
 fn unpost_pool<E: std::error::Error + Send + Sync + 'static>(
-    inflight: &mut IdMap<InFlight>,
+    inflight: &mut IdSlab<InFlight>,
     wr_id: u64,
     op: &'static str,
     e: E,
@@ -1684,7 +1669,7 @@ fn unpost_pool<E: std::error::Error + Send + Sync + 'static>(
     let Some(InFlight {
         mem: Mem::Pool(buf),
         ..
-    }) = inflight.remove(&wr_id)
+    }) = inflight.remove(wr_id)
     else {
         unreachable!("inserted before posting")
     };
