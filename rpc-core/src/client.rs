@@ -15,7 +15,6 @@ use futures::task::AtomicWaker;
 use futures::{Sink, Stream, StreamExt};
 use serde::de::DeserializeOwned;
 use serde::Serialize;
-use tokio::sync::{Semaphore, TryAcquireError};
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 use tracing::Instrument;
@@ -23,6 +22,7 @@ use tracing::Instrument;
 use crate::codec::Codec;
 use crate::conn::{encode_body, KeepAlive, Tick};
 use crate::payload::{with_attachments, PayloadMemory, PayloadMut};
+use crate::permits::{Permit, Permits, TryAcquireError};
 use crate::transport::{DirectSend, ResponseShortcut, Transport};
 use crate::wire::{Attachments, Header, Kind, Message};
 use crate::{Config, RpcError, ServerError, ServerErrorKind};
@@ -38,7 +38,7 @@ struct State {
     /// Responses taken through the shortcut since the keep-alive's last tick: traffic (see
     /// `KeepAlive::count_also`).
     shortcut_answers: Arc<AtomicU64>,
-    credits: Semaphore,
+    credits: Permits,
     /// Cancelled when the connection is gone (for [`Client::closed`]).
     closed: CancellationToken,
     /// Set with `closed`; cheap to test on every turn of the reader.
@@ -384,12 +384,12 @@ impl Client {
         R: Stream<Item = io::Result<Message>> + Send + Unpin + 'static,
         W: Sink<Message, Error = io::Error> + Send + Unpin + 'static,
     {
-        let window = config.max_in_flight.min(Semaphore::MAX_PERMITS);
+        let window = config.max_in_flight.min(Permits::MAX);
         let state = Arc::new(State {
             sink: Box::new(Mutex::new(Some(writer))),
             table: Arc::new(Mutex::new(Table::new())),
             shortcut_answers: Arc::new(AtomicU64::new(0)),
-            credits: Semaphore::new(window),
+            credits: Permits::new(window),
             closed: CancellationToken::new(),
             shut: AtomicBool::new(false),
             going_away: AtomicBool::new(false),
@@ -585,9 +585,9 @@ impl Prepared {
 
 /// Waits for one of the connection's credits, until `deadline`.
 async fn wait_for_credit(
-    credits: &Semaphore,
+    credits: &Permits,
     deadline: Option<Instant>,
-) -> Result<tokio::sync::SemaphorePermit<'_>, RpcError> {
+) -> Result<Permit<'_>, RpcError> {
     let acquired = match deadline {
         Some(d) => tokio::time::timeout_at(d, credits.acquire())
             .await
@@ -1021,7 +1021,7 @@ async fn write_loop(state: Arc<State>, coalesce: bool, window: usize) {
     let result: io::Result<()> = async {
         loop {
             let open = poll_fn(|cx| take_outgoing(&state, &mut batch, Some(cx))).await;
-            if open && coalesce && state.credits.available_permits() + 1 < window {
+            if open && coalesce && state.credits.available() + 1 < window {
                 tokio::task::yield_now().await;
                 let _ = take_outgoing(&state, &mut batch, None);
             }

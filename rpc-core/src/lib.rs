@@ -49,6 +49,7 @@ mod error;
 pub mod ids;
 pub mod mem;
 pub mod payload;
+pub mod permits;
 pub mod pool;
 pub mod rendezvous;
 pub mod server;

@@ -20,6 +20,7 @@ use crate::verbs::{
 };
 use crate::{RdmaOptions, ReadDepth, TransportKind};
 use rpc_core::ids::IdIndex;
+use rpc_core::permits::{OwnedPermit, Permits};
 use rpc_core::pool::{Pool, SizeClass};
 use rpc_core::rendezvous::{RecvBudget, START_WINDOW};
 
@@ -88,7 +89,7 @@ struct Shared {
     spin: SpinWindow,
     state: Mutex<State>,
     send_pool: Mutex<Vec<Arc<Region>>>,
-    send_permits: Arc<Semaphore>,
+    send_permits: Arc<Permits>,
     /// one-sided operations (RDMA READ/WRITE) in flight: the send queue has room for
     /// `ONE_SIDED` of them beside the SEND slots
     one_sided_permits: Semaphore,
@@ -293,7 +294,7 @@ struct State {
     waiters: IdIndex<oneshot::Sender<Done>>,
     /// SENDs posted with no task waiting (see `RdmaConnection::post_slot_now`): their slots go
     /// back to the pool, and their permits are released, when they complete
-    unattended: IdIndex<(Arc<Region>, tokio::sync::OwnedSemaphorePermit)>,
+    unattended: IdIndex<(Arc<Region>, OwnedPermit)>,
     /// set once the connection is unusable: why
     closed: Option<String>,
     /// set by the first real failure (an error completion other than a flush, a driver error):
@@ -821,7 +822,7 @@ impl RdmaConnection {
             spin: SpinWindow::new(opts.busy_poll, opts.busy_poll_max),
             state: Mutex::new(State::default()),
             send_pool: Mutex::new(Vec::with_capacity(send_slots)),
-            send_permits: Arc::new(Semaphore::new(send_slots)),
+            send_permits: Arc::new(Permits::new(send_slots)),
             one_sided_permits: Semaphore::new(ONE_SIDED),
             inflight_bytes: opts.inflight_bytes,
             slot_size: opts.slot_size,
@@ -1077,7 +1078,7 @@ impl RdmaConnection {
     pub(crate) fn post_slot(
         &self,
         slot: SendSlot<'_>,
-        permit: tokio::sync::OwnedSemaphorePermit,
+        permit: OwnedPermit,
     ) -> Result<SendCompletion, RdmaError> {
         let len = slot.len;
         let slot = slot.into_region();
@@ -1113,18 +1114,17 @@ impl RdmaConnection {
     }
 
     /// Waits for a free SEND slot, for [`post_slot_now`](Self::post_slot_now).
-    pub(crate) async fn send_permit(&self) -> Result<tokio::sync::OwnedSemaphorePermit, RdmaError> {
-        Arc::clone(&self.shared.send_permits)
+    pub(crate) async fn send_permit(&self) -> Result<OwnedPermit, RdmaError> {
+        self.shared
+            .send_permits
             .acquire_owned()
             .await
             .map_err(|_| RdmaError::Closed(None))
     }
 
     /// A SEND slot, if one is free now, for [`post_slot_now`](Self::post_slot_now).
-    pub(crate) fn try_send_slot(&self) -> Option<tokio::sync::OwnedSemaphorePermit> {
-        Arc::clone(&self.shared.send_permits)
-            .try_acquire_owned()
-            .ok()
+    pub(crate) fn try_send_slot(&self) -> Option<OwnedPermit> {
+        self.shared.send_permits.try_acquire_owned().ok()
     }
 
     /// Posts `slot` (written in place) as a SEND now, in the place `permit` stands for, with
@@ -1133,7 +1133,7 @@ impl RdmaConnection {
     pub(crate) fn post_slot_now(
         &self,
         slot: SendSlot<'_>,
-        permit: tokio::sync::OwnedSemaphorePermit,
+        permit: OwnedPermit,
     ) -> Result<(), RdmaError> {
         let len = slot.len;
         let slot = slot.into_region();
@@ -1169,13 +1169,12 @@ impl RdmaConnection {
 
     /// Whether no SEND is in flight (every send slot is free).
     pub(crate) fn sends_idle(&self) -> bool {
-        self.shared.send_permits.available_permits() >= self.send_slots
+        self.shared.send_permits.available() >= self.send_slots
     }
 
     /// Waits until no SEND is in flight (every slot is back), e.g. before closing.
     pub(crate) async fn sends_done(&self) {
-        let n = u32::try_from(self.send_slots).unwrap_or(u32::MAX);
-        let _all = self.shared.send_permits.acquire_many(n).await;
+        self.shared.send_permits.wait_all_free().await;
     }
 
     /// Receives the next message (a copy); `Ok(None)` once the peer disconnected.
@@ -1417,7 +1416,7 @@ pub struct SendCompletion {
     rx: oneshot::Receiver<Done>,
     slot: Arc<Region>,
     shared: Arc<Shared>,
-    _permit: tokio::sync::OwnedSemaphorePermit,
+    _permit: OwnedPermit,
 }
 
 impl std::fmt::Debug for SendCompletion {
