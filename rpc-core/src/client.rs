@@ -891,8 +891,10 @@ fn decode_reply<C: Codec, R: DeserializeOwned>(reply: Message) -> Result<R, RpcE
 /// Returns the writer's waker if it must be woken.
 fn write_own(state: &State, cx: &mut Context<'_>, msg: Message) -> Option<Waker> {
     // The writer is ours and holds nothing, so a frame that goes directly overtakes nothing.
+    // (No `ready` first: `try_send` looks at the link itself, and gives the frame back if it
+    // cannot go at once.)
     let msg = match &state.direct {
-        Some(direct) if direct.ready() => match direct.try_send(msg) {
+        Some(direct) => match direct.try_send(msg) {
             Ok(()) => return state.lock().release_sink(false),
             Err(msg) => msg,
         },

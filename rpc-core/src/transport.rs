@@ -105,7 +105,8 @@ pub trait DirectSend: Send + Sync + 'static {
     fn ready(&self) -> bool;
 
     /// Sends `msg` now, or gives it back if it cannot go without waiting (then the caller
-    /// sends it through the writer).
+    /// sends it through the writer). It looks at the link itself: a client calls it without
+    /// asking [`ready`](Self::ready) first.
     fn try_send(&self, msg: Message) -> Result<(), Message>;
 
     /// How long the caller of a lone call may receive for itself ([`progress`](Self::progress))

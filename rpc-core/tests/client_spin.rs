@@ -284,9 +284,13 @@ async fn a_spin_ends_with_its_window_and_the_transport_delivers_the_answer() {
         tokio::task::yield_now().await;
     }
     let last = Duration::from_nanos(server.link.last_poll.load(Ordering::SeqCst));
+    // A burst begun inside the window ends ~10 us later, unless the OS preempts the thread
+    // during it (seen once in five runs with a build loading both cores): half a window of
+    // slack, still far short of the two windows waited.
     assert!(
-        last < from + window,
-        "the caller stopped polling within its window"
+        last < from + window + window / 2,
+        "the caller stopped polling within its window (last poll {last:?}, window ended by {:?})",
+        from + window
     );
     let polls = server.polls();
     let_tasks_run().await;

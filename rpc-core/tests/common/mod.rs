@@ -40,7 +40,8 @@ impl DirectSend for FakeDirect {
         self.ready.load(Ordering::SeqCst)
     }
     fn try_send(&self, msg: Message) -> Result<(), Message> {
-        if !self.accept.load(Ordering::SeqCst) {
+        // a link that is not ready takes nothing now, as a real one
+        if !self.accept.load(Ordering::SeqCst) || !self.ready.load(Ordering::SeqCst) {
             return Err(msg);
         }
         self.sent.send(msg).map_err(|e| e.0)
