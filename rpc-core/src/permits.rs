@@ -185,8 +185,7 @@ impl Permits {
     async fn wait(&self) -> Result<(), Closed> {
         // counted before looking again, so that a permit returned from here on wakes someone
         // (`release` reads the count after adding the permit; both are SeqCst)
-        self.waiting.fetch_add(1, Ordering::SeqCst);
-        let _counted = Uncount(&self.waiting);
+        let _counted = Waiting::count(&self.waiting);
         loop {
             let woken = self.wake.notified();
             tokio::pin!(woken);
@@ -216,11 +215,21 @@ impl Permits {
     }
 }
 
-/// Takes a waiting task out of the count when it stops waiting (it got a permit, failed, or was
-/// dropped).
-struct Uncount<'a>(&'a AtomicUsize);
+/// A task counted in a count of waiting tasks while it waits: counted in (SeqCst) when made,
+/// out when dropped (it got what it waited for, failed, or was dropped itself). A notifier that
+/// reads the count after its change, SeqCst too, then misses no waiter that looked before it.
+#[derive(Debug)]
+pub struct Waiting<'a>(&'a AtomicUsize);
 
-impl Drop for Uncount<'_> {
+impl<'a> Waiting<'a> {
+    /// Counts the calling task in `count`.
+    pub fn count(count: &'a AtomicUsize) -> Waiting<'a> {
+        count.fetch_add(1, Ordering::SeqCst);
+        Waiting(count)
+    }
+}
+
+impl Drop for Waiting<'_> {
     fn drop(&mut self) {
         self.0.fetch_sub(1, Ordering::SeqCst);
     }

@@ -932,8 +932,7 @@ impl Engine {
         encode: impl FnOnce(&mut Proto) -> R,
     ) -> Result<R, RdmaError> {
         let mut encode = Some(encode);
-        self.credit_waiters.fetch_add(1, Ordering::SeqCst);
-        let _counted = Uncount(&self.credit_waiters);
+        let _counted = rpc_core::permits::Waiting::count(&self.credit_waiters);
         loop {
             let notified = self.credit_changed.notified();
             tokio::pin!(notified);
@@ -1862,15 +1861,6 @@ impl rpc_core::Listener for RdmaRpcListener {
             shortcut: rpc_core::ResponseShortcut::new(),
             direct: Arc::default(),
         })
-    }
-}
-
-/// Takes a waiting task out of a count when it stops waiting (done, failed, or dropped).
-struct Uncount<'a>(&'a AtomicUsize);
-
-impl Drop for Uncount<'_> {
-    fn drop(&mut self) {
-        self.0.fetch_sub(1, Ordering::SeqCst);
     }
 }
 
