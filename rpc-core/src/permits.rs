@@ -25,6 +25,10 @@ pub struct Permits {
     state: AtomicUsize,
     /// tasks waiting in [`acquire`](Self::acquire)
     waiting: AtomicUsize,
+    /// tasks waiting in [`wait_all_free`](Self::wait_all_free): only then does a return that
+    /// frees the last permit notify (a `Notify`'s `notify_waiters` takes its lock, and a lone
+    /// call on an idle connection frees the last permit on every call)
+    waiting_all_free: AtomicUsize,
     /// how many there are in all (for [`wait_all_free`](Self::wait_all_free))
     total: usize,
     /// wakes the waiting tasks, first come first
@@ -78,6 +82,7 @@ impl Permits {
         Permits {
             state: AtomicUsize::new(n),
             waiting: AtomicUsize::new(0),
+            waiting_all_free: AtomicUsize::new(0),
             total: n,
             wake: Notify::new(),
             all_free: Notify::new(),
@@ -139,6 +144,9 @@ impl Permits {
 
     /// Waits until every permit is free (none taken), without taking any; at once if closed.
     pub async fn wait_all_free(&self) {
+        // counted before looking, so that a return from here on that frees the last permit
+        // notifies (`release` reads the count after adding the permit; both are SeqCst)
+        let _counted = Waiting::count(&self.waiting_all_free);
         loop {
             let all = self.all_free.notified();
             tokio::pin!(all);
@@ -209,7 +217,8 @@ impl Permits {
         if self.waiting.load(Ordering::SeqCst) != 0 {
             self.wake.notify_one();
         }
-        if (before & !CLOSED) + 1 == self.total {
+        if (before & !CLOSED) + 1 == self.total && self.waiting_all_free.load(Ordering::SeqCst) != 0
+        {
             self.all_free.notify_waiters();
         }
     }
@@ -341,6 +350,45 @@ mod tests {
         );
         drop(b);
         assert!(futures::poll!(all.as_mut()).is_ready());
+    }
+
+    /// Records whether it was woken.
+    #[derive(Default)]
+    struct WakeFlag(std::sync::atomic::AtomicBool);
+
+    impl futures::task::ArcWake for WakeFlag {
+        fn wake_by_ref(this: &Arc<Self>) {
+            this.0.store(true, Ordering::SeqCst);
+        }
+    }
+
+    #[test]
+    fn the_return_that_frees_the_last_permit_wakes_wait_all_free() {
+        let p = Permits::new(2);
+        let a = p.try_acquire().expect("free");
+        let b = p.try_acquire().expect("free");
+        let flag = Arc::new(WakeFlag::default());
+        let waker = futures::task::waker(Arc::clone(&flag));
+        let mut cx = std::task::Context::from_waker(&waker);
+        let mut all = Box::pin(p.wait_all_free());
+        assert!(all.as_mut().poll(&mut cx).is_pending());
+        drop(a);
+        assert!(
+            !flag.0.load(Ordering::SeqCst),
+            "woken with a permit still out"
+        );
+        drop(b);
+        assert!(
+            flag.0.load(Ordering::SeqCst),
+            "not woken when the last permit came back"
+        );
+        assert!(all.as_mut().poll(&mut cx).is_ready());
+        drop(all);
+        assert_eq!(
+            p.waiting_all_free.load(Ordering::SeqCst),
+            0,
+            "the waiter is counted out"
+        );
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
