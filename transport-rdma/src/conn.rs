@@ -1073,6 +1073,22 @@ impl RdmaConnection {
         self.post_slot(slot, permit)
     }
 
+    /// Posts a SEND of `msg` now, from a send slot that is free now, without waiting for
+    /// anything: `Ok(false)` (nothing posted) if every slot is in flight. The slot comes back
+    /// when its completion is polled, by the completion driver or by
+    /// [`poll_completions`](Self::poll_completions). With `poll_completions` and
+    /// [`try_recv_bytes`](Self::try_recv_bytes) it makes a loop that never waits (run to
+    /// completion, as the connection-layer floor of `examples/verbs-pingpong.rs --lean`).
+    pub fn try_send(&self, msg: &[u8]) -> Result<bool, RdmaError> {
+        let Some(permit) = self.try_send_slot() else {
+            return Ok(false);
+        };
+        let mut slot = self.send_slot(msg.len())?;
+        slot.bytes()?.copy_from_slice(msg);
+        self.post_slot_now(slot, permit)?;
+        Ok(true)
+    }
+
     /// Posts `slot` (written in place) as a SEND, in the place `permit` stands for; the
     /// returned completion gives both back.
     pub(crate) fn post_slot(
@@ -1167,6 +1183,17 @@ impl RdmaConnection {
         found
     }
 
+    /// Polls the completion queue once from the calling task and handles what it finds, as the
+    /// completion driver does: received messages become ready for
+    /// [`try_recv_bytes`](Self::try_recv_bytes) (or [`recv_bytes`](Self::recv_bytes)), completed
+    /// SENDs free their slots. Whether it found anything; it returns at once if another task
+    /// is polling. For a task that spins on one connection instead of waiting (what it finds
+    /// counts as activity for the connection's spin window, so the driver does not arm the CQ
+    /// meanwhile).
+    pub fn poll_completions(&self) -> bool {
+        self.progress()
+    }
+
     /// Whether no SEND is in flight (every send slot is free).
     pub(crate) fn sends_idle(&self) -> bool {
         self.shared.send_permits.available() >= self.send_slots
@@ -1209,6 +1236,23 @@ impl RdmaConnection {
             None => rx.recv().await,
         };
         self.shared.take_received(ev)
+    }
+
+    /// Takes the next received message if one is ready, without waiting and without polling
+    /// the completion queue (see [`poll_completions`](Self::poll_completions)): `None` if none
+    /// is ready (or another task is receiving), otherwise what
+    /// [`recv_bytes`](Self::recv_bytes) would return. Unlike an `async` receive polled once,
+    /// it does not draw on tokio's cooperative budget, so a task may call it in a loop that
+    /// never yields.
+    pub fn try_recv_bytes(&self) -> Option<Result<Option<bytes::Bytes>, RdmaError>> {
+        let mut rx = self.recv_rx.try_lock().ok()?;
+        match rx.try_recv() {
+            Ok(ev) => Some(self.shared.take_received(Some(ev))),
+            Err(mpsc::error::TryRecvError::Disconnected) => Some(self.shared.take_received(None)),
+            Err(mpsc::error::TryRecvError::Empty) => {
+                lock(&self.shared.state).disconnected.then_some(Ok(None))
+            }
+        }
     }
 
     /// Sends every message received from now on (and those received before, first) to

@@ -322,3 +322,91 @@ async fn port_zero_listeners_report_their_port() {
     .await
     .expect("test timed out");
 }
+
+/// Polls `conn` until a message is ready (the non-waiting API: `poll_completions` and
+/// `try_recv_bytes`), yielding between polls so that the rest of the runtime runs.
+async fn poll_for_message(conn: &RdmaConnection) -> Option<Vec<u8>> {
+    loop {
+        if let Some(got) = conn.try_recv_bytes() {
+            return got.expect("try_recv_bytes").map(|b| b.to_vec());
+        }
+        if !conn.poll_completions() {
+            tokio::task::yield_now().await;
+        }
+    }
+}
+
+/// The connection layer's calls that never wait (`try_send`, `poll_completions`,
+/// `try_recv_bytes`), on each side against the waiting calls on the other.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn non_waiting_send_poll_and_receive() {
+    let (dev, addr) = target(20_031);
+    let opts = RdmaOptions {
+        busy_poll: Duration::from_micros(50),
+        busy_poll_max: Duration::from_micros(50),
+        ..RdmaOptions::default()
+    };
+    tokio::time::timeout(LIMIT, async move {
+        // the client never waits; the server echoes with recv/send
+        let (server, client) = pair(addr, opts.clone()).await;
+        assert!(client.try_recv_bytes().is_none(), "nothing was sent yet");
+        let echo = tokio::spawn(async move {
+            let mut n = 0u64;
+            while let Some(msg) = server.recv_bytes().await.expect("server recv") {
+                server.send(&msg).await.expect("server send");
+                n += 1;
+            }
+            n
+        });
+        let rounds = 1000usize;
+        for i in 0..rounds {
+            let msg: Vec<u8> = (0..48).map(|j| pattern(i as u8, j)).collect();
+            while !client.try_send(&msg).expect("try_send") {
+                client.poll_completions();
+            }
+            let back = poll_for_message(&client).await.expect("peer closed early");
+            assert_eq!(back, msg, "echo of message {i}");
+        }
+        assert!(
+            client
+                .try_send(&vec![0u8; client.max_message_size() + 1])
+                .is_err(),
+            "an oversized message is an error, not a full queue"
+        );
+        client.close();
+        assert_eq!(echo.await.expect("echo task"), rounds as u64);
+
+        // the server never waits; the client sends with send/recv, then leaves
+        let addr = SocketAddr::new(addr.ip(), addr.port() + 1);
+        let (server, client) = pair(addr, opts).await;
+        let lean = tokio::spawn(async move {
+            let mut n = 0u64;
+            while let Some(msg) = poll_for_message(&server).await {
+                while !server.try_send(&msg).expect("server try_send") {
+                    server.poll_completions();
+                }
+                n += 1;
+            }
+            n
+        });
+        for i in 0..rounds {
+            let msg: Vec<u8> = (0..48).map(|j| pattern(!(i as u8), j)).collect();
+            client.send(&msg).await.expect("client send");
+            let back = client
+                .recv()
+                .await
+                .expect("client recv")
+                .expect("peer closed");
+            assert_eq!(back, msg, "echo of message {i}");
+        }
+        client.close();
+        assert_eq!(
+            lean.await.expect("lean server"),
+            rounds as u64,
+            "the non-waiting side saw every message, then the end of the stream"
+        );
+        println!("device {dev}: {rounds} round trips each way with the non-waiting calls");
+    })
+    .await
+    .expect("test timed out");
+}
