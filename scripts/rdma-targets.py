@@ -10,6 +10,9 @@ each ratio beside its target, from the figures of that run alone:
   with the rounds' median;
   the verdict is the paired rounds' median: the main figures are minutes apart, and perftest's
   own figure moves by up to 2x within one boot;
+- for information, the connection layer's floor (`verbs-pingpong --lean`: SEND/RECV loops that
+  never wait, no RPC layer) against the same `ib_send_lat`, in the main figures and per paired
+  round: what this transport's own code takes per round trip, under any RPC layer;
 - the default mode's p50 against busy-poll's (at most 2x);
 - 1 MiB and 16 MiB put bandwidth against `ib_read_bw` at 64 KiB (the device's best figure)
   and at the same size (at least 80%), and in each paired round against the `ib_read_bw` at
@@ -31,6 +34,7 @@ FAILED_PERF = re.compile(r"^perftest (\S+) (ib_send_lat|ib_read_bw) .*: FAILED")
 # rpc-perf's label of a put size, its bytes, its name here
 PUT_SIZES = (("1M", 1 << 20, "1 MiB"), ("16M", 16 << 20, "16 MiB"))
 RPC = re.compile(r"^rpc-perf (\S+) (\S+) (\S+) B: p50 ([0-9.]+) us.*\(([0-9.]+) MiB/s\)")
+FLOOR = re.compile(r"^verbs-pingpong (\S+) (lean\S*) 32 B SEND/RECV round trip .*: p50 ([0-9.]+) us")
 
 
 def verdict(ok):
@@ -45,6 +49,8 @@ def main(path):
         return 1
     send_lat = {}  # dev -> the main run's typical one-way, us
     paired = {}  # dev -> [(ib_send_lat, rdma-rpc p50)]
+    floor = {}  # dev -> the main run's lean ping-pong p50, us
+    paired_floor = {}  # dev -> [(ib_send_lat, lean ping-pong p50)]
     read_bw = {}  # (dev, bytes) -> MiB/s, with more than one READ outstanding
     p50 = {}  # (dev, label) -> us
     mibs = {}  # (dev, label, size) -> MiB/s
@@ -71,13 +77,21 @@ def main(path):
             # a perftest run that failed: no figure to pair with what follows
             (last_lat if m.group(2) == "ib_send_lat" else last_bw).pop(m.group(1), None)
             continue
+        m = FLOOR.match(line)
+        if m:
+            dev, label, us = m.group(1), m.group(2), float(m.group(3))
+            if label == "lean":
+                floor.setdefault(dev, us)
+            elif dev in last_lat:
+                paired_floor.setdefault(dev, []).append((last_lat[dev], us))
+            continue
         m = RPC.match(line)
         if m:
             dev, label, size = m.group(1), m.group(2), m.group(3)
             us, mib = float(m.group(4)), float(m.group(5))
             if label.startswith("small-call-busy-poll-paired"):
                 if dev in last_lat:
-                    paired.setdefault(dev, []).append((last_lat.pop(dev), us))
+                    paired.setdefault(dev, []).append((last_lat[dev], us))
                 continue
             if label.startswith("bandwidth-paired"):
                 if dev in last_bw:
@@ -109,6 +123,20 @@ def main(path):
             print(
                 f"  paired rounds (ib_send_lat, then the busy-poll call): {each}; "
                 f"median {med:.2f}x: {verdict(med <= 3)}"
+            )
+        lean = floor.get(dev)
+        if lean is not None and lat:
+            print(
+                f"  connection-layer floor (verbs-pingpong --lean, no RPC layer) p50 {lean:.1f} us "
+                f"= {lean / lat:.2f}x ib_send_lat (information)"
+            )
+        rounds = paired_floor.get(dev, [])
+        if rounds:
+            each = ", ".join(f"{b:.1f}/{t:.2f} = {b / t:.2f}x" for t, b in rounds)
+            med = statistics.median(b / t for t, b in rounds)
+            print(
+                f"  paired rounds, the connection-layer floor against the same ib_send_lat: "
+                f"{each}; median {med:.2f}x (information: under any RPC layer on this transport)"
             )
         default = p50.get((dev, "small-call-default"))
         if default is not None and busy:

@@ -251,6 +251,29 @@ rpcperf() { # [RUNTIME=...] rpcperf DEV LABEL ENDPOINT-OPTIONS split|one ARGS...
     note "rpc-perf $d $label $b B: p50 $p50 us, p99 $p99 us, $r calls/s, $g GB/s (${mib:-?} MiB/s)"
   done <<< "$rows"
 }
+# pingpong DEV LABEL WHAT ARGS...: verbs-pingpong's SEND/RECV round trip (32 B, busy-poll 2 ms,
+# two processes on a current-thread runtime each), ARGS to both sides; a summary line
+# "verbs-pingpong DEV LABEL 32 B SEND/RECV round trip WHAT: p50 ..."
+pingpong() {
+  local d=$1 label=$2 what=$3; shift 3
+  local vlog=logs/verbs-pingpong-$label-$d.log slog=logs/verbs-pingpong-$label-$d-server.log rc vsrv vrow
+  PERF_PORT=$((PERF_PORT+1))
+  local a=(--runtime current --addr "${IP[$d]}:$PERF_PORT" --device "$d" --busy-poll-us 2000 "$@")
+  ./perf/verbs-pingpong --server "${a[@]}" > "$slog" 2>&1 & vsrv=$!
+  for _ in $(seq 300); do
+    grep -q "serving on" "$slog" 2>/dev/null && break
+    kill -0 "$vsrv" 2>/dev/null || break
+    sleep 0.1
+  done
+  timeout 120 ./perf/verbs-pingpong --client "${a[@]}" --rounds 20000 > "$vlog" 2>&1; rc=$?
+  kill "$vsrv" 2>/dev/null; wait "$vsrv" 2>/dev/null
+  vrow=$(grep -o 'p50 .*' "$vlog")
+  if [ $rc != 0 ] || [ -z "$vrow" ]; then
+    note "verbs-pingpong $d $label: FAILED (exit $rc; see logs/${vlog##*/})"; tail -n 5 "$vlog"; PROBLEMS=$((PROBLEMS+1))
+  else
+    note "verbs-pingpong $d $label 32 B SEND/RECV round trip $what: $vrow"
+  fi
+}
 if [ -x perf/rpc-perf ]; then
   for d in "${DEVS[@]}"; do
     echo "=================== rpc-perf on $d"
@@ -267,25 +290,10 @@ if [ -x perf/rpc-perf ]; then
     # window long enough for a dozen 16 MiB calls on rxe
     rpcperf "$d" "bandwidth" "" one "${PUTS[@]}" --duration 8
     # the floor under the small call: the connection layer alone (no rpc-core, no framing),
-    # SEND/RECV ping-pong with the same busy-poll, two processes, a current-thread runtime each
-    PERF_PORT=$((PERF_PORT+1))
-    vlog=logs/verbs-pingpong-$d.log
-    ./perf/verbs-pingpong --server --runtime current --addr "${IP[$d]}:$PERF_PORT" --device "$d" --busy-poll-us 2000 \
-      > logs/verbs-pingpong-$d-server.log 2>&1 & vsrv=$!
-    for _ in $(seq 300); do
-      grep -q "serving on" logs/verbs-pingpong-$d-server.log 2>/dev/null && break
-      kill -0 "$vsrv" 2>/dev/null || break
-      sleep 0.1
-    done
-    timeout 120 ./perf/verbs-pingpong --client --runtime current --addr "${IP[$d]}:$PERF_PORT" --device "$d" --busy-poll-us 2000 \
-      --rounds 20000 > "$vlog" 2>&1; rc=$?
-    kill "$vsrv" 2>/dev/null; wait "$vsrv" 2>/dev/null
-    vrow=$(grep -o 'p50 .*' "$vlog")
-    if [ $rc != 0 ] || [ -z "$vrow" ]; then
-      note "verbs-pingpong $d: FAILED (exit $rc; see logs/${vlog##*/})"; tail -n 5 "$vlog"; PROBLEMS=$((PROBLEMS+1))
-    else
-      note "verbs-pingpong $d busy-poll 32 B SEND/RECV round trip (connection layer alone): $vrow"
-    fi
+    # SEND/RECV ping-pong with the same busy-poll, two processes, a current-thread runtime each;
+    # then its lean loops (no completion driver, no task switch: the least code it runs)
+    pingpong "$d" busy-poll "(connection layer alone)"
+    pingpong "$d" lean "(the connection layer's floor: loops that never wait)" --lean
     # where the small call's time goes: the busy-poll small call again, on the probe build;
     # the host splits the records after the run (scripts/latency-split.py)
     if [ -x perf/probe/rpc-perf ]; then
@@ -390,8 +398,9 @@ if [ "${RDMA_TEST_PERFTEST:-1}" = 1 ]; then
   done
 fi
 
-# paired rounds: perftest's ib_send_lat, then rdma-rpc's busy-poll small call, then perftest's
-# ib_read_bw at 64 KiB, then rdma-rpc's puts, back to back, three times per device, so that each
+# paired rounds: perftest's ib_send_lat, then rdma-rpc's busy-poll small call and the connection
+# layer's lean loops (verbs-pingpong --lean), then perftest's ib_read_bw at 64 KiB, then
+# rdma-rpc's puts, back to back, three times per device, so that each
 # ratio compares figures taken seconds apart (both swing between boots, and within one);
 # scripts/rdma-targets.py reads them in this order
 if [ "${RDMA_TEST_PERFTEST:-1}" = 1 ] && [ -x perf/rpc-perf ]; then
@@ -401,6 +410,7 @@ if [ "${RDMA_TEST_PERFTEST:-1}" = 1 ] && [ -x perf/rpc-perf ]; then
     for r in 1 2 3; do
       perf "$d" ib_send_lat "${CM[@]}" -n 1000 -F
       rpcperf "$d" "small-call-busy-poll-paired-$r" "$BUSY" split "${SMALL_ECHO[@]}"
+      pingpong "$d" "lean-paired-$r" "(the connection layer's floor)" --lean
       perf "$d" ib_read_bw "${CM[@]}" -n 2000 -F
       rpcperf "$d" "bandwidth-paired-$r" "" one "${PUTS[@]}" --duration 6
     done

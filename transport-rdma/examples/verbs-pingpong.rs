@@ -8,6 +8,7 @@
 //! verbs-pingpong --client --addr 10.99.0.1:19500 [--device rxe0] [--busy-poll-us 2000]
 //!                [--rounds 20000] [--size 32] [--event-interval 61]
 //!                [--footprint N] [--footprint-same]
+//! (both)         [--lean]
 //! (both)         [--runtime multi|current] [--slots 32] [--slot-size 16384]
 //! ```
 //!
@@ -21,6 +22,13 @@
 //! number of instructions, a footprint of one function). The client also reports the p50 of its
 //! `send` (the post's system call and the SEND's local completion), where under emulation the
 //! footprint shows (README, "Latency": "Code between two posts").
+//!
+//! `--lean` runs both sides as loops that never wait and never yield to the runtime within a
+//! round trip: each posts with [`RdmaConnection::try_send`], polls the CQ itself with
+//! [`RdmaConnection::poll_completions`] and takes the message with
+//! [`RdmaConnection::try_recv_bytes`], with no completion driver and no task switch in between.
+//! It is the floor of the connection layer: the least user-space code this transport runs per
+//! round trip (README, "Latency": "Code between two posts"). Its `send` is the post alone.
 //!
 //! `--runtime current` runs on tokio's current-thread runtime, as `rpc-perf --runtime current`
 //! does; the default is a multi-thread runtime with one worker.
@@ -45,6 +53,8 @@ struct Args {
     footprint: usize,
     /// run the first of them `footprint` times instead
     footprint_same: bool,
+    /// loops that never wait (see the module docs)
+    lean: bool,
 }
 
 /// One of the distinct functions of `--footprint`: each `K` is its own machine code.
@@ -110,6 +120,7 @@ fn parse() -> Result<Args, String> {
     let mut current = false;
     let mut footprint = 0;
     let mut footprint_same = false;
+    let mut lean = false;
     let mut it = std::env::args().skip(1);
     while let Some(a) = it.next() {
         let mut value = |name: &str| it.next().ok_or(format!("{name} needs a value"));
@@ -169,6 +180,7 @@ fn parse() -> Result<Args, String> {
                 }
             }
             "--footprint-same" => footprint_same = true,
+            "--lean" => lean = true,
             "--runtime" => {
                 current = match value("--runtime")?.as_str() {
                     "multi" => false,
@@ -189,6 +201,7 @@ fn parse() -> Result<Args, String> {
         current,
         footprint,
         footprint_same,
+        lean,
     })
 }
 
@@ -200,9 +213,61 @@ async fn serve(args: Args) -> Result<(), String> {
             .accept()
             .await
             .map_err(|e| format!("accept: {e}"))?;
+        if args.lean {
+            serve_lean(&conn).await?;
+            continue;
+        }
         while let Some(msg) = conn.recv_bytes().await.map_err(|e| format!("recv: {e}"))? {
             conn.send(&msg).await.map_err(|e| format!("send: {e}"))?;
         }
+    }
+}
+
+/// Echoes every message with a loop that never waits (`--lean`), until the peer leaves.
+async fn serve_lean(conn: &RdmaConnection) -> Result<(), String> {
+    let mut idle = 0u32;
+    loop {
+        if let Some(msg) = conn.try_recv_bytes() {
+            let Some(msg) = msg.map_err(|e| format!("recv: {e}"))? else {
+                return Ok(());
+            };
+            while !conn.try_send(&msg).map_err(|e| format!("send: {e}"))? {
+                conn.poll_completions();
+            }
+            idle = 0;
+        } else if conn.poll_completions() {
+            idle = 0;
+        } else {
+            idle += 1;
+            if idle == 4096 {
+                // far longer than a round trip: let the connection manager's task run, which
+                // is how a disconnect reaches this connection
+                idle = 0;
+                tokio::task::yield_now().await;
+            }
+        }
+    }
+}
+
+/// One round trip of `--lean`: posts at once, then polls until the echo is there; returns the
+/// time the post took (from `t`) and the echo.
+fn lean_round_trip(
+    conn: &RdmaConnection,
+    msg: &[u8],
+    t: Instant,
+) -> Result<(Duration, bytes::Bytes), String> {
+    while !conn.try_send(msg).map_err(|e| format!("send: {e}"))? {
+        conn.poll_completions();
+    }
+    let sent = t.elapsed();
+    loop {
+        if let Some(back) = conn.try_recv_bytes() {
+            let back = back
+                .map_err(|e| format!("recv: {e}"))?
+                .ok_or("the server closed the connection")?;
+            return Ok((sent, back));
+        }
+        conn.poll_completions();
     }
 }
 
@@ -219,13 +284,18 @@ async fn client(args: Args) -> Result<(), String> {
             std::hint::black_box(footprint(args.footprint, args.footprint_same, i as u64));
         }
         let t = Instant::now();
-        conn.send(&msg).await.map_err(|e| format!("send: {e}"))?;
-        let sent = t.elapsed();
-        let back = conn
-            .recv_bytes()
-            .await
-            .map_err(|e| format!("recv: {e}"))?
-            .ok_or("the server closed the connection")?;
+        let (sent, back) = if args.lean {
+            lean_round_trip(&conn, &msg, t)?
+        } else {
+            conn.send(&msg).await.map_err(|e| format!("send: {e}"))?;
+            let sent = t.elapsed();
+            let back = conn
+                .recv_bytes()
+                .await
+                .map_err(|e| format!("recv: {e}"))?
+                .ok_or("the server closed the connection")?;
+            (sent, back)
+        };
         if back.len() != msg.len() {
             return Err(format!(
                 "echo of {} bytes came back as {}",
@@ -243,9 +313,10 @@ async fn client(args: Args) -> Result<(), String> {
     let at = |q: f64| times[((times.len() - 1) as f64 * q) as usize].as_secs_f64() * 1e6;
     let mean = times.iter().sum::<Duration>().as_secs_f64() * 1e6 / times.len() as f64;
     println!(
-        "{} x {} B SEND/RECV round trips on {}: p50 {:.1} us p99 {:.1} us mean {:.1} us (send p50 {:.1} us)",
+        "{} x {} B SEND/RECV round trips{} on {}: p50 {:.1} us p99 {:.1} us mean {:.1} us (send p50 {:.1} us)",
         times.len(),
         args.size,
+        if args.lean { ", lean loops" } else { "" },
         conn.device_name(),
         at(0.5),
         at(0.99),
