@@ -1,6 +1,6 @@
 #!/bin/bash
 # The per-call code footprint of rdma-rpc's busy-poll small call and of the connection layer's
-# ping-pong, on a real verbs device in the QEMU guest: how many distinct instructions each
+# ping-pong (and of its lean loops, `verbs-pingpong --lean`), on a real verbs device in the QEMU guest: how many distinct instructions each
 # process runs on every call (callgrind; scripts/callgrind-footprint.py), client and server.
 #
 # Under TCG the kernel's work in `ibv_post_send` takes longer the more distinct user-space code
@@ -73,22 +73,26 @@ for d in $DEVICES; do
     stop $srv
   done
   for n in 2000 4000; do
-    # the connection layer's ping-pong (n rounds after a warm-up of n/10)
-    for side in client server; do
-      port=$((port+1))
-      a=(--runtime current --addr "${IP[$d]}:$port" --device "$d" --busy-poll-us 2000)
-      if [ $side = server ]; then
-        "${VG[@]}" --callgrind-out-file=cg/vpp-server-$d-$n.out ./verbs-pingpong --server "${a[@]}" > vs.log 2>&1 & srv=$!
-        up vs.log
-        timeout 600 ./verbs-pingpong --client "${a[@]}" --rounds $n > vc.log 2>&1
-        stop $srv
-      else
-        ./verbs-pingpong --server "${a[@]}" > vs.log 2>&1 & srv=$!
-        up vs.log
-        timeout 600 "${VG[@]}" --callgrind-out-file=cg/vpp-client-$d-$n.out ./verbs-pingpong --client "${a[@]}" --rounds $n > vc.log 2>&1
-        kill $srv; wait $srv 2>/dev/null
-      fi
-      echo "vpp-$side $d $n $((n + n / 10))" >> cg/calls.txt
+    # the connection layer's ping-pong (n rounds after a warm-up of n/10), and its lean loops
+    # (--lean: the connection layer's floor)
+    for mode in vpp vpp-lean; do
+      lean=(); [ $mode = vpp-lean ] && lean=(--lean)
+      for side in client server; do
+        port=$((port+1))
+        a=(--runtime current --addr "${IP[$d]}:$port" --device "$d" --busy-poll-us 2000 "${lean[@]}")
+        if [ $side = server ]; then
+          "${VG[@]}" --callgrind-out-file=cg/$mode-server-$d-$n.out ./verbs-pingpong --server "${a[@]}" > vs.log 2>&1 & srv=$!
+          up vs.log
+          timeout 600 ./verbs-pingpong --client "${a[@]}" --rounds $n > vc.log 2>&1
+          stop $srv
+        else
+          ./verbs-pingpong --server "${a[@]}" > vs.log 2>&1 & srv=$!
+          up vs.log
+          timeout 600 "${VG[@]}" --callgrind-out-file=cg/$mode-client-$d-$n.out ./verbs-pingpong --client "${a[@]}" --rounds $n > vc.log 2>&1
+          kill $srv; wait $srv 2>/dev/null
+        fi
+        echo "$mode-$side $d $n $((n + n / 10))" >> cg/calls.txt
+      done
     done
   done
 done
@@ -98,7 +102,7 @@ bash "$VM/run-guest.sh" --share "$OUT" --timeout 1800 -- env DEVICES="$DEVICES" 
 
 rc=0
 for d in $DEVICES; do
-  for what in rpc-client rpc-server vpp-client vpp-server; do
+  for what in rpc-client rpc-server vpp-client vpp-server vpp-lean-client vpp-lean-server; do
     # the pair of runs, the one with fewer calls first (under callgrind the rate varies)
     read -r s short l long < <(awk -v w="$what" -v d="$d" '$1 == w && $2 == d {print $4, $3}' \
       "$OUT/cg/calls.txt" | sort -n | awk '{printf "%s %s ", $2, $1} END {print ""}') || true
