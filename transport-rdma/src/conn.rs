@@ -1219,16 +1219,9 @@ impl RdmaConnection {
         }
         let mut early = None;
         self.shared
-            .spin_until(|| match rx.try_recv() {
-                Ok(ev) => {
-                    early = Some(Some(ev));
-                    true
-                }
-                Err(mpsc::error::TryRecvError::Empty) => false,
-                Err(mpsc::error::TryRecvError::Disconnected) => {
-                    early = Some(None);
-                    true
-                }
+            .spin_until(|| {
+                early = ready(&mut rx);
+                early.is_some()
             })
             .await;
         let ev = match early {
@@ -1246,12 +1239,9 @@ impl RdmaConnection {
     /// never yields.
     pub fn try_recv_bytes(&self) -> Option<Result<Option<bytes::Bytes>, RdmaError>> {
         let mut rx = self.recv_rx.try_lock().ok()?;
-        match rx.try_recv() {
-            Ok(ev) => Some(self.shared.take_received(Some(ev))),
-            Err(mpsc::error::TryRecvError::Disconnected) => Some(self.shared.take_received(None)),
-            Err(mpsc::error::TryRecvError::Empty) => {
-                lock(&self.shared.state).disconnected.then_some(Ok(None))
-            }
+        match ready(&mut rx) {
+            Some(ev) => Some(self.shared.take_received(ev)),
+            None => lock(&self.shared.state).disconnected.then_some(Ok(None)),
         }
     }
 
@@ -1717,6 +1707,16 @@ fn on_cm_event(shared: &Shared, ev: CmEvent) {
             "transport-rdma: rdma_cm event {:?} on an established connection",
             ev.kind
         ),
+    }
+}
+
+/// What the receive channel holds now: `Some(Some(event))`, `Some(None)` once it is closed (the
+/// end of the stream), `None` if nothing is there yet.
+fn ready(rx: &mut mpsc::UnboundedReceiver<RecvEvent>) -> Option<Option<RecvEvent>> {
+    match rx.try_recv() {
+        Ok(ev) => Some(Some(ev)),
+        Err(mpsc::error::TryRecvError::Disconnected) => Some(None),
+        Err(mpsc::error::TryRecvError::Empty) => None,
     }
 }
 
