@@ -67,6 +67,13 @@ async fn pair(addr: SocketAddr, opts: RdmaOptions) -> (RdmaConnection, RdmaConne
     (server.expect("accept"), client.expect("connect"))
 }
 
+/// Sends `msg` with the waiting calls and checks that the peer echoed it (message `i`).
+async fn check_echo(conn: &RdmaConnection, msg: &[u8], i: usize) {
+    conn.send(msg).await.expect("send");
+    let back = conn.recv().await.expect("recv").expect("peer closed early");
+    assert_eq!(back, msg, "echo of message {i}");
+}
+
 /// Ping-pong on one runtime (client, server, both completion drivers).
 async fn ping_pong(dev: String, addr: SocketAddr, opts: RdmaOptions, rounds: usize, label: &str) {
     let (server, client) = pair(addr, opts.clone()).await;
@@ -102,13 +109,7 @@ async fn ping_pong(dev: String, addr: SocketAddr, opts: RdmaOptions, rounds: usi
         for (j, b) in msg[8..].iter_mut().enumerate() {
             *b = pattern(i as u8, j);
         }
-        client.send(&msg).await.expect("client send");
-        let back = client
-            .recv()
-            .await
-            .expect("client recv")
-            .expect("peer closed early");
-        assert_eq!(back, msg, "echo of message {i}");
+        check_echo(&client, &msg, i).await;
     }
     let el = t0.elapsed();
     println!(
@@ -391,13 +392,7 @@ async fn non_waiting_send_poll_and_receive() {
         });
         for i in 0..rounds {
             let msg: Vec<u8> = (0..48).map(|j| pattern(!(i as u8), j)).collect();
-            client.send(&msg).await.expect("client send");
-            let back = client
-                .recv()
-                .await
-                .expect("client recv")
-                .expect("peer closed");
-            assert_eq!(back, msg, "echo of message {i}");
+            check_echo(&client, &msg, i).await;
         }
         client.close();
         assert_eq!(
