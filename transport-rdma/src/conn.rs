@@ -1068,9 +1068,7 @@ impl RdmaConnection {
     pub async fn start_send(&self, msg: &[u8]) -> Result<SendCompletion, RdmaError> {
         self.check_open()?;
         let permit = self.send_permit().await?;
-        let mut slot = self.send_slot(msg.len())?;
-        slot.bytes()?.copy_from_slice(msg);
-        self.post_slot(slot, permit)
+        self.post_slot(self.filled_slot(msg)?, permit)
     }
 
     /// Posts a SEND of `msg` now, from a send slot that is free now, without waiting for
@@ -1083,10 +1081,15 @@ impl RdmaConnection {
         let Some(permit) = self.try_send_slot() else {
             return Ok(false);
         };
+        self.post_slot_now(self.filled_slot(msg)?, permit)?;
+        Ok(true)
+    }
+
+    /// A send slot from the pool holding a copy of `msg`, ready to post.
+    fn filled_slot(&self, msg: &[u8]) -> Result<SendSlot<'_>, RdmaError> {
         let mut slot = self.send_slot(msg.len())?;
         slot.bytes()?.copy_from_slice(msg);
-        self.post_slot_now(slot, permit)?;
-        Ok(true)
+        Ok(slot)
     }
 
     /// Posts `slot` (written in place) as a SEND, in the place `permit` stands for; the
@@ -1165,33 +1168,25 @@ impl RdmaConnection {
     }
 
     /// How long the caller of a lone call may poll the CQ itself while it waits for its
-    /// answer ([`progress`](Self::progress)): the spin window (zero: never).
+    /// answer ([`poll_completions`](Self::poll_completions)): the spin window (zero: never).
     pub(crate) fn spin_window(&self) -> Duration {
         self.shared.spin.window()
-    }
-
-    /// Polls the CQ once from the calling task (a lone call's caller waiting for its answer)
-    /// and handles what it finds, as the completion driver would; whether it found anything.
-    /// Returns at once if another task is polling. What it finds counts as the driver's own
-    /// for its spin window, so that the driver does not arm the CQ (an event per completion)
-    /// while callers receive for themselves.
-    pub(crate) fn progress(&self) -> bool {
-        let found = matches!(self.shared.poll_once(false), Ok(n) if n > 0);
-        if found {
-            self.shared.spin.caller_found();
-        }
-        found
     }
 
     /// Polls the completion queue once from the calling task and handles what it finds, as the
     /// completion driver does: received messages become ready for
     /// [`try_recv_bytes`](Self::try_recv_bytes) (or [`recv_bytes`](Self::recv_bytes)), completed
     /// SENDs free their slots. Whether it found anything; it returns at once if another task
-    /// is polling. For a task that spins on one connection instead of waiting (what it finds
-    /// counts as activity for the connection's spin window, so the driver does not arm the CQ
-    /// meanwhile).
+    /// is polling. For a task that spins on one connection instead of waiting (a lone call's
+    /// caller waiting for its answer, or a loop that never waits): what it finds counts as
+    /// activity for the connection's spin window, so the driver does not arm the CQ (an event
+    /// per completion) while callers receive for themselves.
     pub fn poll_completions(&self) -> bool {
-        self.progress()
+        let found = matches!(self.shared.poll_once(false), Ok(n) if n > 0);
+        if found {
+            self.shared.spin.caller_found();
+        }
+        found
     }
 
     /// Whether no SEND is in flight (every send slot is free).
@@ -1513,7 +1508,7 @@ struct SpinWindow {
     /// the decaying maximum of recent gaps, in nanoseconds
     gap: AtomicU64,
     /// nanoseconds from `base` to the last completion a caller found for itself
-    /// ([`RdmaConnection::progress`])
+    /// ([`RdmaConnection::poll_completions`])
     by_caller: AtomicU64,
 }
 
@@ -1610,7 +1605,7 @@ async fn drive(
         // the spin window and sleeps.
         // (nanoseconds from the window's base) from now, or from the last completion that
         // this driver found, or a caller polling for its own answer
-        // (`RdmaConnection::progress`)
+        // (`RdmaConnection::poll_completions`)
         let mut last = shared.spin.now();
         // when this burst of polling began
         let mut burst_from = last;
