@@ -111,6 +111,14 @@ for d in $DEVICES; do
     if [ -z "${long:-}" ] || [ "$long" -le $(( ${short:-0} * 5 / 4 )) ] || [ ! -s "$a" ] || [ ! -s "$b" ]; then
       echo "rdma-footprint: no usable pair of runs for $what on $d (calls: '${short:-}' '${long:-}')"; rc=1; continue
     fi
+    # rpc-perf's two runs last $s and $l seconds: calls made at rates far apart took different
+    # paths (how often a spin found its completion), so their difference is not the per-call work
+    case $what in rpc-*)
+      if [ $(( long * s * 2 )) -gt $(( short * l * 3 )) ] || [ $(( long * s * 3 )) -lt $(( short * l * 2 )) ]; then
+        echo "rdma-footprint: no usable pair of runs for $what on $d: $short calls in $s s and $long in $l s, rates more than 1.5x apart"
+        rc=1; continue
+      fi;;
+    esac
     python3 "$ROOT/scripts/callgrind-footprint.py" "$a" "$b" $((long - short)) 20
   done
 done
