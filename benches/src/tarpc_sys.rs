@@ -4,7 +4,7 @@
 //! Its fast path: `TCP_NODELAY` on both ends (tarpc's `serde_transport::tcp` helpers leave
 //! Nagle on, so the streams are made here and wrapped with `serde_transport::new`), the frame
 //! limit raised from 8 MiB to fit 64 MiB payloads, every accepted request handled on its own
-//! task, and payloads that are cheap to clone before a call ([`Blob`](crate::Blob)).
+//! task, and payloads that are cheap to clone before a call ([`Blob`]).
 
 use std::net::SocketAddr;
 
