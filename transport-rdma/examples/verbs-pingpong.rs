@@ -8,7 +8,7 @@
 //! verbs-pingpong --client --addr 10.99.0.1:19500 [--device rxe0] [--busy-poll-us 2000]
 //!                [--rounds 20000] [--size 32] [--event-interval 61]
 //!                [--footprint N] [--footprint-same]
-//! (both)         [--lean]
+//! (both)         [--lean [--borrow]]
 //! (both)         [--runtime multi|current] [--slots 32] [--slot-size 16384]
 //! ```
 //!
@@ -29,6 +29,8 @@
 //! [`RdmaConnection::try_recv_bytes`], with no completion driver and no task switch in between.
 //! It is the floor of the connection layer: the least user-space code this transport runs per
 //! round trip (README, "Latency": "Code between two posts"). Its `send` is the post alone.
+//! `--borrow` (with `--lean`) receives with [`RdmaConnection::poll_recv_with`] instead: each
+//! message borrowed from its slot, the same slot posted again at once.
 //!
 //! `--runtime current` runs on tokio's current-thread runtime, as `rpc-perf --runtime current`
 //! does; the default is a multi-thread runtime with one worker.
@@ -55,6 +57,8 @@ struct Args {
     footprint_same: bool,
     /// loops that never wait (see the module docs)
     lean: bool,
+    /// with `lean`: receive borrowed from the slot (`poll_recv_with`)
+    borrow: bool,
 }
 
 /// One of the distinct functions of `--footprint`: each `K` is its own machine code.
@@ -121,6 +125,7 @@ fn parse() -> Result<Args, String> {
     let mut footprint = 0;
     let mut footprint_same = false;
     let mut lean = false;
+    let mut borrow = false;
     let mut it = std::env::args().skip(1);
     while let Some(a) = it.next() {
         let mut value = |name: &str| it.next().ok_or(format!("{name} needs a value"));
@@ -181,6 +186,7 @@ fn parse() -> Result<Args, String> {
             }
             "--footprint-same" => footprint_same = true,
             "--lean" => lean = true,
+            "--borrow" => borrow = true,
             "--runtime" => {
                 current = match value("--runtime")?.as_str() {
                     "multi" => false,
@@ -190,6 +196,9 @@ fn parse() -> Result<Args, String> {
             }
             other => return Err(format!("unknown argument {other:?}")),
         }
+    }
+    if borrow && !lean {
+        return Err("--borrow goes with --lean".into());
     }
     Ok(Args {
         server: server.ok_or("--server or --client")?,
@@ -202,6 +211,7 @@ fn parse() -> Result<Args, String> {
         footprint,
         footprint_same,
         lean,
+        borrow,
     })
 }
 
@@ -213,7 +223,9 @@ async fn serve(args: Args) -> Result<(), String> {
             .accept()
             .await
             .map_err(|e| format!("accept: {e}"))?;
-        if args.lean {
+        if args.lean && args.borrow {
+            serve_lean_borrowed(&conn).await?;
+        } else if args.lean {
             serve_lean(&conn).await?;
             continue;
         }
@@ -246,6 +258,75 @@ async fn serve_lean(conn: &RdmaConnection) -> Result<(), String> {
                 tokio::task::yield_now().await;
             }
         }
+    }
+}
+
+/// `--lean --borrow`: as `serve_lean`, each message echoed from the slot it arrived in (copied
+/// aside only if no send slot is free).
+async fn serve_lean_borrowed(conn: &RdmaConnection) -> Result<(), String> {
+    let mut backlog: std::collections::VecDeque<Vec<u8>> = Default::default();
+    let mut failed = None;
+    let mut idle = 0u32;
+    loop {
+        while let Some(msg) = backlog.front() {
+            if !conn.try_send(msg).map_err(|e| format!("send: {e}"))? {
+                break;
+            }
+            backlog.pop_front();
+        }
+        let got = conn.poll_recv_with(|msg| {
+            if !backlog.is_empty() {
+                backlog.push_back(msg.to_vec());
+                return;
+            }
+            match conn.try_send(msg) {
+                Ok(true) => {}
+                Ok(false) => backlog.push_back(msg.to_vec()),
+                Err(e) => failed = Some(e),
+            }
+        });
+        if let Some(e) = failed.take() {
+            return Err(format!("send: {e}"));
+        }
+        match got.map_err(|e| format!("recv: {e}"))? {
+            None => return Ok(()),
+            Some(0) => {
+                idle += 1;
+                if idle == 4096 {
+                    // as in `serve_lean`
+                    idle = 0;
+                    tokio::task::yield_now().await;
+                }
+            }
+            Some(_) => idle = 0,
+        }
+    }
+}
+
+/// One round trip of `--lean --borrow`: as `lean_round_trip`, the echo checked where it
+/// arrived (borrowed from its slot); returns the time the post took and the echo's length.
+fn lean_borrowed_round_trip(
+    conn: &RdmaConnection,
+    msg: &[u8],
+    t: Instant,
+) -> Result<(Duration, usize), String> {
+    while !conn.try_send(msg).map_err(|e| format!("send: {e}"))? {
+        conn.poll_completions();
+    }
+    let sent = t.elapsed();
+    let mut back = None;
+    while back.is_none() {
+        let got = conn.poll_recv_with(|echo| {
+            back = Some(if echo == msg { echo.len() } else { usize::MAX });
+        });
+        if got.map_err(|e| format!("recv: {e}"))?.is_none() && back.is_none() {
+            return Err("the server closed the connection".into());
+        }
+    }
+    match back {
+        Some(usize::MAX) => Err("the echo differs from the message".into()),
+        Some(len) => Ok((sent, len)),
+        None => unreachable!("the loop ends with an echo"),
     }
 }
 
@@ -284,8 +365,13 @@ async fn client(args: Args) -> Result<(), String> {
             std::hint::black_box(footprint(args.footprint, args.footprint_same, i as u64));
         }
         let t = Instant::now();
-        let (sent, back) = if args.lean {
-            lean_round_trip(&conn, &msg, t)?
+        // (an echo received as `Bytes` is dropped after the timing, as before `--borrow`)
+        let (sent, len, _echo) = if args.lean && args.borrow {
+            let (sent, len) = lean_borrowed_round_trip(&conn, &msg, t)?;
+            (sent, len, None)
+        } else if args.lean {
+            let (sent, back) = lean_round_trip(&conn, &msg, t)?;
+            (sent, back.len(), Some(back))
         } else {
             conn.send(&msg).await.map_err(|e| format!("send: {e}"))?;
             let sent = t.elapsed();
@@ -294,14 +380,10 @@ async fn client(args: Args) -> Result<(), String> {
                 .await
                 .map_err(|e| format!("recv: {e}"))?
                 .ok_or("the server closed the connection")?;
-            (sent, back)
+            (sent, back.len(), Some(back))
         };
-        if back.len() != msg.len() {
-            return Err(format!(
-                "echo of {} bytes came back as {}",
-                msg.len(),
-                back.len()
-            ));
+        if len != msg.len() {
+            return Err(format!("echo of {} bytes came back as {len}", msg.len()));
         }
         if i >= warmup {
             times.push(t.elapsed());
@@ -316,7 +398,11 @@ async fn client(args: Args) -> Result<(), String> {
         "{} x {} B SEND/RECV round trips{} on {}: p50 {:.1} us p99 {:.1} us mean {:.1} us (send p50 {:.1} us)",
         times.len(),
         args.size,
-        if args.lean { ", lean loops" } else { "" },
+        match (args.lean, args.borrow) {
+            (true, true) => ", lean loops, borrowed receive",
+            (true, false) => ", lean loops",
+            _ => "",
+        },
         conn.device_name(),
         at(0.5),
         at(0.99),

@@ -455,7 +455,7 @@ impl Shared {
         };
         if n > 0 {
             self.spin.on_completions(self.spin.now());
-            dispatch(self, polled.wcs());
+            dispatch(self, polled.wcs(), None);
         }
         Ok(n)
     }
@@ -1240,6 +1240,77 @@ impl RdmaConnection {
         }
     }
 
+    /// Polls the completion queue once from the calling task, as
+    /// [`poll_completions`](Self::poll_completions) does, and hands each message it finds to
+    /// `on_message` *borrowed* from the registered slot it arrived in: the same slot is posted
+    /// again as soon as `on_message` returns, so no fresh slot is leased and no owner is made
+    /// for the message (the connection layer's leanest receive, for loops that never wait, as
+    /// `examples/verbs-pingpong.rs --lean --borrow` runs). Messages the completion driver
+    /// received before come first, in order. It does not wait: it returns at once if another
+    /// task is polling or receiving.
+    ///
+    /// `Ok(Some(n))`: `n` messages were handed on (0: none was there). `Ok(None)`: the stream
+    /// ended (the peer disconnected), after every message before the end was handed on, this
+    /// call's included. `Err`: the connection failed (messages before the failure were handed
+    /// on).
+    /// `on_message` runs while this connection's completions are being handled, so it may post
+    /// ([`try_send`](Self::try_send)) but a poll from within it finds nothing.
+    pub fn poll_recv_with(
+        &self,
+        mut on_message: impl FnMut(&[u8]),
+    ) -> Result<Option<usize>, RdmaError> {
+        let Ok(mut rx) = self.recv_rx.try_lock() else {
+            return Ok(Some(0));
+        };
+        let shared = &*self.shared;
+        let mut polled = match shared.poll_lock.try_lock() {
+            Ok(g) => g,
+            Err(std::sync::TryLockError::Poisoned(p)) => p.into_inner(),
+            Err(std::sync::TryLockError::WouldBlock) => return Ok(Some(0)),
+        };
+        let mut n = 0;
+        // what the driver queued, first; then what this poll finds
+        while let Some(ev) = ready(&mut rx) {
+            match shared.take_received(ev)? {
+                Some(msg) => {
+                    on_message(&msg);
+                    n += 1;
+                }
+                None => return Ok(None),
+            }
+        }
+        let found = match shared.cq.poll(&mut polled) {
+            Ok(found) => found,
+            Err(e) => {
+                fail_all(shared, &format!("{e}"));
+                return Err(e);
+            }
+        };
+        if found > 0 {
+            shared.spin.on_completions(shared.spin.now());
+            let mut count = |msg: &[u8]| {
+                n += 1;
+                on_message(msg);
+            };
+            dispatch(shared, polled.wcs(), Some(&mut count));
+            shared.spin.caller_found();
+        }
+        // what could not be lent: a failure, or the end of the stream
+        while let Some(ev) = ready(&mut rx) {
+            match shared.take_received(ev)? {
+                Some(msg) => {
+                    on_message(&msg);
+                    n += 1;
+                }
+                None => return Ok(None),
+            }
+        }
+        if n == 0 && lock(&shared.state).disconnected {
+            return Ok(None);
+        }
+        Ok(Some(n))
+    }
+
     /// Sends every message received from now on (and those received before, first) to
     /// `receiver`, called by the task that polls the CQ as it finds them, instead of to
     /// [`recv_bytes`](Self::recv_bytes): one task hand-off less per message. What ends the
@@ -1715,7 +1786,17 @@ fn ready(rx: &mut mpsc::UnboundedReceiver<RecvEvent>) -> Option<Option<RecvEvent
     }
 }
 
-fn dispatch(shared: &Shared, wcs: &[Wc]) {
+/// What takes a received message borrowed from its slot (see `dispatch`).
+type Lend<'a> = dyn FnMut(&[u8]) + 'a;
+
+/// Handles polled completions: waiters woken, slots freed, received messages to the installed
+/// receiver or to `recv_bytes`; or, with `lend` (and no receiver installed), each received
+/// message handed to it borrowed from its slot, which is posted again at once (see
+/// [`RdmaConnection::poll_recv_with`]).
+fn dispatch(shared: &Shared, wcs: &[Wc], mut lend: Option<&mut Lend<'_>>) {
+    if shared.receiver.get().is_some() {
+        lend = None;
+    }
     for wc in wcs {
         if wc.kind == WrKind::Recv {
             crate::probe::mark(crate::probe::Point::Recv);
@@ -1757,16 +1838,22 @@ fn dispatch(shared: &Shared, wcs: &[Wc]) {
                 shared.received(srq_received(recv, wc, mem, op));
             }
             WrKind::Recv => {
-                let ev = match (wc.ok(), mem) {
-                    (true, Some(r)) => RecvEvent::Data(r, wc.byte_len as usize),
-                    (true, None) => RecvEvent::Failed {
+                let ev = match (wc.ok(), mem, lend.as_deref_mut()) {
+                    (true, Some(Mem::Pool(buf)), Some(lend)) => {
+                        match lent(shared, buf, wc.byte_len as usize, lend) {
+                            None => continue,
+                            Some(ev) => ev,
+                        }
+                    }
+                    (true, Some(r), _) => RecvEvent::Data(r, wc.byte_len as usize),
+                    (true, None, _) => RecvEvent::Failed {
                         err: RdmaError::Completion {
                             op,
                             status: "completion for an unknown receive".into(),
                         },
                         flushed: false,
                     },
-                    (false, _) => RecvEvent::Failed {
+                    (false, _, _) => RecvEvent::Failed {
                         err: RdmaError::Completion {
                             op,
                             status: wc.status_str(),
@@ -1803,6 +1890,25 @@ fn dispatch(shared: &Shared, wcs: &[Wc]) {
             }
         }
     }
+}
+
+/// Hands the message received into slot `buf` (`len` bytes) to `lend`, borrowed, and posts the
+/// same slot again: no fresh slot leased and no owner made for the message. `Some` if the
+/// message cannot be lent (a completion longer than its slot): the event to queue instead.
+fn lent(shared: &Shared, mut buf: PoolBuf, len: usize, lend: &mut Lend<'_>) -> Option<RecvEvent> {
+    if len > buf.len().max(shared.slot_size) {
+        // `take_received` turns it into the error
+        return Some(RecvEvent::Data(Mem::Pool(buf), len));
+    }
+    buf.set_len(len);
+    lend(buf.bytes());
+    // a closed connection's slot goes back to the pool instead (its QP flushes what is posted)
+    if shared.check_open().is_ok() {
+        if let Err((e, _)) = shared.qp.post_recv_pool(buf) {
+            shared.close(&format!("re-posting a receive failed: {e}"));
+        }
+    }
+    None
 }
 
 /// A receive of a shared queue completed: a slot goes back to the queue at once (a fresh one,

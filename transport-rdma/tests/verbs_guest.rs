@@ -405,3 +405,97 @@ async fn non_waiting_send_poll_and_receive() {
     .await
     .expect("test timed out");
 }
+
+/// The message `i` of `borrowed_receive_reposts_each_slot_in_order`: its index, then a pattern.
+fn indexed(i: usize) -> Vec<u8> {
+    let mut msg = (i as u32).to_le_bytes().to_vec();
+    msg.extend((0..44).map(|j| pattern(i as u8, j)));
+    msg
+}
+
+/// `poll_recv_with`: each message borrowed from its slot and the same slot posted again at
+/// once (with 4 receive slots, 3,000 messages arrive only if every slot comes back), in order
+/// with the messages the waiting receive and the completion driver took, then the end of the
+/// stream.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn borrowed_receive_reposts_each_slot_in_order() {
+    let (dev, addr) = target(20_035);
+    let opts = RdmaOptions {
+        recv_slots: 4,
+        send_slots: 4,
+        busy_poll: Duration::from_micros(50),
+        busy_poll_max: Duration::from_micros(50),
+        ..RdmaOptions::default()
+    };
+    tokio::time::timeout(LIMIT, async move {
+        let (server, client) = pair(addr, opts).await;
+        let mut nothing_yet = 0;
+        assert_eq!(
+            server.poll_recv_with(|_| nothing_yet += 1).expect("poll"),
+            Some(0),
+            "nothing was sent yet"
+        );
+        assert_eq!(nothing_yet, 0);
+        let rounds = 1000usize;
+        let echo = tokio::spawn(async move {
+            let mut next = 0usize;
+            let mut echoes: Vec<Vec<u8>> = Vec::new();
+            loop {
+                // every other round, the waiting receive takes its first message (and the
+                // completion driver may queue the rest): the borrowed ones must follow in order
+                if next % 3 == 0 && (next / 3) % 2 == 1 {
+                    let Some(msg) = server.recv_bytes().await.expect("recv_bytes") else {
+                        break;
+                    };
+                    assert_eq!(
+                        &msg[..],
+                        &indexed(next)[..],
+                        "message {next} (waiting receive)"
+                    );
+                    next += 1;
+                    server.send(&msg).await.expect("server send");
+                }
+                let got = server.poll_recv_with(|msg| {
+                    assert_eq!(msg, &indexed(next)[..], "message {next} (borrowed)");
+                    next += 1;
+                    echoes.push(msg.to_vec());
+                });
+                for msg in echoes.drain(..) {
+                    server.send(&msg).await.expect("server send");
+                }
+                match got.expect("poll_recv_with") {
+                    None => break,
+                    Some(0) => tokio::task::yield_now().await,
+                    Some(_) => {}
+                }
+            }
+            next
+        });
+        // three in flight at a time, against four receive slots
+        for round in 0..rounds {
+            for i in 3 * round..3 * round + 3 {
+                client.send(&indexed(i)).await.expect("send");
+            }
+            for i in 3 * round..3 * round + 3 {
+                let back = client
+                    .recv()
+                    .await
+                    .expect("recv")
+                    .expect("server left early");
+                assert_eq!(back, indexed(i), "echo of message {i}");
+            }
+        }
+        client.close();
+        assert_eq!(
+            echo.await.expect("echo task"),
+            3 * rounds,
+            "the borrowing side saw every message once, then the end of the stream"
+        );
+        println!(
+            "device {dev}: {} messages received borrowed from 4 slots",
+            3 * rounds
+        );
+    })
+    .await
+    .expect("test timed out");
+}
