@@ -74,9 +74,10 @@ for d in $DEVICES; do
   done
   for n in 2000 4000; do
     # the connection layer's ping-pong (n rounds after a warm-up of n/10), and its lean loops
-    # (--lean: the connection layer's floor)
-    for mode in vpp vpp-lean; do
-      lean=(); [ $mode = vpp-lean ] && lean=(--lean)
+    # (--lean; with --borrow, each message borrowed from its slot: the connection layer's floor)
+    for mode in vpp vpp-lean vpp-lean-borrow; do
+      lean=()
+      case $mode in vpp-lean) lean=(--lean);; vpp-lean-borrow) lean=(--lean --borrow);; esac
       for side in client server; do
         port=$((port+1))
         a=(--runtime current --addr "${IP[$d]}:$port" --device "$d" --busy-poll-us 2000 "${lean[@]}")
@@ -102,7 +103,8 @@ bash "$VM/run-guest.sh" --share "$OUT" --timeout 1800 -- env DEVICES="$DEVICES" 
 
 rc=0
 for d in $DEVICES; do
-  for what in rpc-client rpc-server vpp-client vpp-server vpp-lean-client vpp-lean-server; do
+  for what in rpc-client rpc-server vpp-client vpp-server vpp-lean-client vpp-lean-server \
+    vpp-lean-borrow-client vpp-lean-borrow-server; do
     # the pair of runs, the one with fewer calls first (under callgrind the rate varies)
     read -r s short l long < <(awk -v w="$what" -v d="$d" '$1 == w && $2 == d {print $4, $3}' \
       "$OUT/cg/calls.txt" | sort -n | awk '{printf "%s %s ", $2, $1} END {print ""}') || true

@@ -291,9 +291,10 @@ if [ -x perf/rpc-perf ]; then
     rpcperf "$d" "bandwidth" "" one "${PUTS[@]}" --duration 8
     # the floor under the small call: the connection layer alone (no rpc-core, no framing),
     # SEND/RECV ping-pong with the same busy-poll, two processes, a current-thread runtime each;
-    # then its lean loops (no completion driver, no task switch: the least code it runs)
+    # then its lean loops (no completion driver, no task switch, each message borrowed from its
+    # slot: the least code it runs)
     pingpong "$d" busy-poll "(connection layer alone)"
-    pingpong "$d" lean "(the connection layer's floor: loops that never wait)" --lean
+    pingpong "$d" lean "(the connection layer's floor: loops that never wait)" --lean --borrow
     # where the small call's time goes: the busy-poll small call again, on the probe build;
     # the host splits the records after the run (scripts/latency-split.py)
     if [ -x perf/probe/rpc-perf ]; then
@@ -399,7 +400,7 @@ if [ "${RDMA_TEST_PERFTEST:-1}" = 1 ]; then
 fi
 
 # paired rounds: perftest's ib_send_lat, then rdma-rpc's busy-poll small call and the connection
-# layer's lean loops (verbs-pingpong --lean), then perftest's ib_read_bw at 64 KiB, then
+# layer's lean loops (verbs-pingpong --lean --borrow), then perftest's ib_read_bw at 64 KiB, then
 # rdma-rpc's puts, back to back, three times per device, so that each
 # ratio compares figures taken seconds apart (both swing between boots, and within one);
 # scripts/rdma-targets.py reads them in this order
@@ -410,7 +411,7 @@ if [ "${RDMA_TEST_PERFTEST:-1}" = 1 ] && [ -x perf/rpc-perf ]; then
     for r in 1 2 3; do
       perf "$d" ib_send_lat "${CM[@]}" -n 1000 -F
       rpcperf "$d" "small-call-busy-poll-paired-$r" "$BUSY" split "${SMALL_ECHO[@]}"
-      pingpong "$d" "lean-paired-$r" "(the connection layer's floor)" --lean
+      pingpong "$d" "lean-paired-$r" "(the connection layer's floor)" --lean --borrow
       perf "$d" ib_read_bw "${CM[@]}" -n 2000 -F
       rpcperf "$d" "bandwidth-paired-$r" "" one "${PUTS[@]}" --duration 6
     done
