@@ -428,8 +428,8 @@ impl rpc_core::Transport for RdmaTransport {
 /// The connection's way to post a message from any task ([`rpc_core::DirectSend`]): a server
 /// answers from the completion dispatch through it, a client posts a lone call's request (and
 /// its caller polls the CQ for the answer through it, within the connection's spin window:
-/// `RdmaConnection::poll_completions`). The connection's engine, once `split` has made it (weak: the
-/// reader and the writer own it).
+/// `RdmaConnection::poll_completions`). The connection's engine, once `split` has made it
+/// (weak: the reader and the writer own it).
 ///
 /// A message goes only on an idle link (nothing queued for the send loop, no SEND in flight),
 /// as the writer's own posts do, and requests that came in a batch are left to the connection
