@@ -440,13 +440,31 @@ impl Shared {
         let mut polled = if wait {
             lock(&self.poll_lock)
         } else {
-            match self.poll_lock.try_lock() {
-                Ok(g) => g,
-                Err(std::sync::TryLockError::Poisoned(p)) => p.into_inner(),
-                Err(std::sync::TryLockError::WouldBlock) => return Ok(0),
+            match self.try_poll_lock() {
+                Some(g) => g,
+                None => return Ok(0),
             }
         };
-        let n = match self.cq.poll(&mut polled) {
+        self.poll_locked(&mut polled, None)
+    }
+
+    /// The poll lock, unless another task holds it.
+    fn try_poll_lock(&self) -> Option<std::sync::MutexGuard<'_, Polled>> {
+        match self.poll_lock.try_lock() {
+            Ok(g) => Some(g),
+            Err(std::sync::TryLockError::Poisoned(p)) => Some(p.into_inner()),
+            Err(std::sync::TryLockError::WouldBlock) => None,
+        }
+    }
+
+    /// Polls the CQ under the poll lock (`polled`) and dispatches what it finds, received
+    /// messages to `lend` if given (see `dispatch`); how many completions it found.
+    fn poll_locked(
+        &self,
+        polled: &mut Polled,
+        lend: Option<&mut Lend<'_>>,
+    ) -> Result<usize, RdmaError> {
+        let n = match self.cq.poll(polled) {
             Ok(n) => n,
             Err(e) => {
                 fail_all(self, &format!("{e}"));
@@ -455,7 +473,7 @@ impl Shared {
         };
         if n > 0 {
             self.spin.on_completions(self.spin.now());
-            dispatch(self, polled.wcs(), None);
+            dispatch(self, polled.wcs(), lend);
         }
         Ok(n)
     }
@@ -1263,47 +1281,24 @@ impl RdmaConnection {
             return Ok(Some(0));
         };
         let shared = &*self.shared;
-        let mut polled = match shared.poll_lock.try_lock() {
-            Ok(g) => g,
-            Err(std::sync::TryLockError::Poisoned(p)) => p.into_inner(),
-            Err(std::sync::TryLockError::WouldBlock) => return Ok(Some(0)),
+        let Some(mut polled) = shared.try_poll_lock() else {
+            return Ok(Some(0));
         };
         let mut n = 0;
-        // what the driver queued, first; then what this poll finds
-        while let Some(ev) = ready(&mut rx) {
-            match shared.take_received(ev)? {
-                Some(msg) => {
-                    on_message(&msg);
-                    n += 1;
-                }
-                None => return Ok(None),
-            }
-        }
-        let found = match shared.cq.poll(&mut polled) {
-            Ok(found) => found,
-            Err(e) => {
-                fail_all(shared, &format!("{e}"));
-                return Err(e);
-            }
+        let mut lend = |msg: &[u8]| {
+            n += 1;
+            on_message(msg);
         };
-        if found > 0 {
-            shared.spin.on_completions(shared.spin.now());
-            let mut count = |msg: &[u8]| {
-                n += 1;
-                on_message(msg);
-            };
-            dispatch(shared, polled.wcs(), Some(&mut count));
+        // what the driver queued, first; then what this poll finds; then what it could not
+        // lend (a failure, or the end of the stream)
+        if drain(shared, &mut rx, &mut lend)? {
+            return Ok(None);
+        }
+        if shared.poll_locked(&mut polled, Some(&mut lend))? > 0 {
             shared.spin.caller_found();
         }
-        // what could not be lent: a failure, or the end of the stream
-        while let Some(ev) = ready(&mut rx) {
-            match shared.take_received(ev)? {
-                Some(msg) => {
-                    on_message(&msg);
-                    n += 1;
-                }
-                None => return Ok(None),
-            }
+        if drain(shared, &mut rx, &mut lend)? {
+            return Ok(None);
         }
         if n == 0 && lock(&shared.state).disconnected {
             return Ok(None);
@@ -1784,6 +1779,21 @@ fn ready(rx: &mut mpsc::UnboundedReceiver<RecvEvent>) -> Option<Option<RecvEvent
         Err(mpsc::error::TryRecvError::Disconnected) => Some(None),
         Err(mpsc::error::TryRecvError::Empty) => None,
     }
+}
+
+/// Hands the messages waiting in `rx` to `lend`, in order; `true` at the end of the stream.
+fn drain(
+    shared: &Shared,
+    rx: &mut mpsc::UnboundedReceiver<RecvEvent>,
+    lend: &mut Lend<'_>,
+) -> Result<bool, RdmaError> {
+    while let Some(ev) = ready(rx) {
+        match shared.take_received(ev)? {
+            Some(msg) => lend(&msg),
+            None => return Ok(true),
+        }
+    }
+    Ok(false)
 }
 
 /// What takes a received message borrowed from its slot (see `dispatch`).
