@@ -11,8 +11,9 @@ each ratio beside its target, from the figures of that run alone:
   the verdict is the paired rounds' median: the main figures are minutes apart, and perftest's
   own figure moves by up to 2x within one boot;
 - for information, the connection layer's floor (`verbs-pingpong --lean --borrow`: SEND/RECV
-  loops that never wait and receive borrowed from the slot, no RPC layer) against the same `ib_send_lat`, in the main figures and per paired
-  round: what this transport's own code takes per round trip, under any RPC layer;
+  loops that never wait and receive borrowed from the slot, no RPC layer) against the same
+  `ib_send_lat`, in the main figures and per paired round: what this transport's own code
+  takes per round trip, under any RPC layer;
 - the default mode's p50 against busy-poll's (at most 2x);
 - 1 MiB and 16 MiB put bandwidth against `ib_read_bw` at 64 KiB (the device's best figure)
   and at the same size (at least 80%), and in each paired round against the `ib_read_bw` at
@@ -127,8 +128,8 @@ def main(path):
         lean = floor.get(dev)
         if lean is not None and lat:
             print(
-                f"  connection-layer floor (verbs-pingpong --lean --borrow, no RPC layer) p50 {lean:.1f} us "
-                f"= {lean / lat:.2f}x ib_send_lat (information)"
+                "  connection-layer floor (verbs-pingpong --lean --borrow, no RPC layer) "
+                f"p50 {lean:.1f} us = {lean / lat:.2f}x ib_send_lat (information)"
             )
         rounds = paired_floor.get(dev, [])
         if rounds:
