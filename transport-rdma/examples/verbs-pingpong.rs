@@ -223,10 +223,12 @@ async fn serve(args: Args) -> Result<(), String> {
             .accept()
             .await
             .map_err(|e| format!("accept: {e}"))?;
-        if args.lean && args.borrow {
-            serve_lean_borrowed(&conn).await?;
-        } else if args.lean {
-            serve_lean(&conn).await?;
+        if args.lean {
+            if args.borrow {
+                serve_lean_borrowed(&conn).await?;
+            } else {
+                serve_lean(&conn).await?;
+            }
             continue;
         }
         while let Some(msg) = conn.recv_bytes().await.map_err(|e| format!("recv: {e}"))? {
@@ -314,19 +316,18 @@ fn lean_borrowed_round_trip(
         conn.poll_completions();
     }
     let sent = t.elapsed();
+    // the echo's length, and whether its bytes are the message's
     let mut back = None;
-    while back.is_none() {
-        let got = conn.poll_recv_with(|echo| {
-            back = Some(if echo == msg { echo.len() } else { usize::MAX });
-        });
-        if got.map_err(|e| format!("recv: {e}"))?.is_none() && back.is_none() {
-            return Err("the server closed the connection".into());
+    loop {
+        let got = conn.poll_recv_with(|echo| back = Some((echo.len(), echo == msg)));
+        match back {
+            Some((len, true)) => return Ok((sent, len)),
+            Some((len, false)) => return Err(format!("the echo ({len} bytes) differs")),
+            None if got.map_err(|e| format!("recv: {e}"))?.is_none() => {
+                return Err("the server closed the connection".into())
+            }
+            None => {}
         }
-    }
-    match back {
-        Some(usize::MAX) => Err("the echo differs from the message".into()),
-        Some(len) => Ok((sent, len)),
-        None => unreachable!("the loop ends with an echo"),
     }
 }
 
