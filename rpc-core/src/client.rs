@@ -726,7 +726,8 @@ impl Future for Answer<'_> {
 }
 
 /// How long a lone call's caller receives for itself before it lets the runtime's other tasks
-/// run once (then it goes on, within the transport's spin window).
+/// run once (then it goes on, within the transport's spin window), unless the transport asks
+/// for longer bursts ([`DirectSend::spin_burst`]).
 const SPIN_BURST: Duration = Duration::from_micros(10);
 
 /// What one burst of [`SpinState::burst`] came to.
@@ -811,7 +812,9 @@ impl SpinState {
             self.uncount();
             return Spin::Off;
         }
-        let end = now + SPIN_BURST.min(window);
+        // a burst ends with the window at the latest
+        let left = window - now.duration_since(from);
+        let end = now + direct.spin_burst().max(SPIN_BURST).min(left);
         loop {
             // a clock read costs as much as a few polls: look at it every few
             for _ in 0..8 {

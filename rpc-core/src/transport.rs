@@ -116,6 +116,15 @@ pub trait DirectSend: Send + Sync + 'static {
         Duration::ZERO
     }
 
+    /// How long each of that caller's bursts of receiving lasts before it lets the runtime's
+    /// other ready tasks run once (then it spins on, within the window). Zero (the default)
+    /// means the client's own, 10 µs, which is also the least it takes. A longer burst keeps
+    /// the scheduler's code off the caller's path between its request and its answer, at the
+    /// price of the thread's other tasks, which wait up to this long.
+    fn spin_burst(&self) -> Duration {
+        Duration::ZERO
+    }
+
     /// Receives what has arrived, from the calling task, as the transport's receiving task
     /// would (responses reach the client through the [`ResponseShortcut`], everything else
     /// through the reader); whether it found anything. It never blocks, and returns at once

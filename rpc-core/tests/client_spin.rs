@@ -9,7 +9,8 @@
 //! through the response shortcut, as a transport that polls its completion queue from the
 //! calling task does. Nothing else delivers unless the test does. A caller also leaves
 //! receiving to the transport while another connection's lone call waits on its thread, and
-//! on a multi-thread runtime.
+//! on a multi-thread runtime. It spins in bursts of the transport's length
+//! ([`DirectSend::spin_burst`]), letting the runtime's other tasks run between them.
 
 mod common;
 
@@ -27,6 +28,8 @@ use tokio::sync::mpsc;
 struct Link {
     shortcut: ResponseShortcut,
     window: Mutex<Duration>,
+    /// what `spin_burst` answers
+    burst: Duration,
     /// the requests posted through the direct sender
     posted: mpsc::UnboundedSender<Message>,
     /// answers not received yet
@@ -63,6 +66,9 @@ impl DirectSend for Link {
     }
     fn spin_window(&self) -> Duration {
         *self.window.lock().unwrap()
+    }
+    fn spin_burst(&self) -> Duration {
+        self.burst
     }
     fn progress(&self) -> bool {
         self.polls.fetch_add(1, Ordering::SeqCst);
@@ -145,12 +151,18 @@ impl Server {
 }
 
 fn connect(window: Duration) -> (Client, Server) {
+    connect_bursting(window, Duration::ZERO)
+}
+
+/// [`connect`], with the transport asking for bursts of `burst` (zero: the client's own).
+fn connect_bursting(window: Duration, burst: Duration) -> (Client, Server) {
     let (posted_tx, posted) = mpsc::unbounded_channel();
     let (written_tx, written) = mpsc::unbounded_channel();
     let (reader_tx, incoming) = mpsc::unbounded_channel();
     let link = Arc::new(Link {
         shortcut: ResponseShortcut::new(),
         window: Mutex::new(window),
+        burst,
         posted: posted_tx,
         wire: Mutex::new(VecDeque::new()),
         polls: AtomicUsize::new(0),
@@ -341,4 +353,63 @@ async fn on_a_multi_thread_runtime_callers_leave_receiving_to_the_transport() {
         assert_eq!(pending.await.unwrap().unwrap(), n);
     }
     assert_eq!(server.polls(), 0, "no caller polled");
+}
+
+/// Counts the turns a task on this thread gets while the call below waits: with the client's
+/// own 10 µs bursts the caller lets it run between them, with the transport's long bursts it
+/// does not, since the answer comes within one. The peer answers only once the caller has
+/// polled `polls_before_answer` times (some milliseconds of polling, far more than 10 µs).
+async fn turns_of_another_task_while_waiting(burst: Duration) -> (usize, usize) {
+    let (client, mut server) = connect_bursting(Duration::from_secs(30), burst);
+    let turns = Arc::new(AtomicUsize::new(0));
+    let ticker = tokio::spawn({
+        let turns = Arc::clone(&turns);
+        async move {
+            loop {
+                turns.fetch_add(1, Ordering::SeqCst);
+                tokio::task::yield_now().await;
+            }
+        }
+    });
+    // the ticker is running
+    let_tasks_run().await;
+    let link = Arc::clone(&server.link);
+    let polls_before_answer = 20_000;
+    let peer = std::thread::spawn(move || {
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap();
+        let req = rt.block_on(server.next_request());
+        let from = link.polls.load(Ordering::SeqCst);
+        while link.polls.load(Ordering::SeqCst) < from + polls_before_answer {
+            std::hint::spin_loop();
+        }
+        server.answer(&req);
+        // kept open until the call is over: a closed link would end the call
+        server
+    });
+    let before = turns.load(Ordering::SeqCst);
+    let got = tokio::time::timeout(Duration::from_secs(10), call(&client, 5))
+        .await
+        .expect("answered");
+    assert_eq!(got.unwrap(), 5);
+    let during = turns.load(Ordering::SeqCst) - before;
+    drop(peer.join().unwrap());
+    ticker.abort();
+    (during, polls_before_answer)
+}
+
+#[tokio::test(flavor = "current_thread")]
+async fn a_caller_spins_in_the_bursts_the_transport_asks_for() {
+    let (during, polls) = turns_of_another_task_while_waiting(Duration::from_secs(30)).await;
+    assert_eq!(
+        during, 0,
+        "one burst of the transport's length took the whole wait ({polls} polls)"
+    );
+    let (during, polls) = turns_of_another_task_while_waiting(Duration::ZERO).await;
+    assert!(
+        during > 0,
+        "with the client's own bursts, another task ran while the caller polled {polls} times"
+    );
 }

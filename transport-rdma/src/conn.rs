@@ -627,6 +627,9 @@ pub struct RdmaConnection {
     send_slots: usize,
     /// accepted (not connected) by us
     passive: bool,
+    /// a lone call's caller's polling burst ([`RdmaOptions::poll_burst`] on a connection we
+    /// connected; zero on one we accepted, whose driver bursts instead)
+    caller_burst: Duration,
     _cm: Arc<CmDispatcher>,
 }
 
@@ -863,11 +866,12 @@ impl RdmaConnection {
                 format!("{recv_slots} receives posted")
             }
         );
-        // a client's lone callers poll for their own answers; only a server's driver bursts
-        let burst = if passive {
-            opts.poll_burst
+        // a client's lone callers poll for their own answers, in bursts of this length; only a
+        // server's driver bursts
+        let (burst, caller_burst) = if passive {
+            (opts.poll_burst, Duration::ZERO)
         } else {
-            Duration::ZERO
+            (Duration::ZERO, opts.poll_burst)
         };
         let driver = tokio::spawn(drive(Arc::clone(&shared), afd, cm_rx, burst));
         Ok(RdmaConnection {
@@ -880,6 +884,7 @@ impl RdmaConnection {
             recv_slots,
             send_slots,
             passive,
+            caller_burst,
             _cm: cm,
         })
     }
@@ -1189,6 +1194,13 @@ impl RdmaConnection {
     /// answer ([`poll_completions`](Self::poll_completions)): the spin window (zero: never).
     pub(crate) fn spin_window(&self) -> Duration {
         self.shared.spin.window()
+    }
+
+    /// How long each of that caller's polling bursts may last before it lets the runtime's
+    /// other tasks run ([`RdmaOptions::poll_burst`] on a connection we connected; zero, the
+    /// RPC client's own default, on one we accepted).
+    pub(crate) fn caller_burst(&self) -> Duration {
+        self.caller_burst
     }
 
     /// Polls the completion queue once from the calling task and handles what it finds, as the

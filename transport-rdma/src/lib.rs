@@ -279,16 +279,17 @@ pub struct RdmaOptions {
     /// and an idle one sleeps after at most this long. At or below `busy_poll`: a fixed window
     /// of `busy_poll`
     pub busy_poll_max: Duration,
-    /// A server's polling burst: how long the completion driver of a connection that a
-    /// listener accepted keeps polling the CQ before it lets the runtime's other tasks run
-    /// (0, the default: it lets them run after every poll). While a connection is busy its
-    /// driver handles each request where it finds it and polls on; every hand-back to the
-    /// runtime runs the scheduler's code between two posts, which under emulation makes the
-    /// next post slower (README, "Latency"). The other tasks of the driver's runtime thread
-    /// wait up to this long each time, so it suits a server whose thread serves one busy
-    /// connection and whose handlers answer without waiting; it applies only within the spin
-    /// window (`busy_poll`), and a connection that connected (a client's) ignores it: there the
-    /// caller of a lone call polls for its own answer.
+    /// The polling burst: how long one task keeps polling the CQ before it lets the runtime's
+    /// other tasks run. On a connection that a listener accepted (a server's) that task is the
+    /// completion driver (0, the default: it lets them run after every poll); while a
+    /// connection is busy, its driver handles each request where it finds it and polls on. On
+    /// a connection that connected (a client's) it is the caller of a lone call, which polls
+    /// for its own answer (0, the default: bursts of 10 µs, the RPC client's own). Every
+    /// hand-back to the runtime runs the scheduler's code between two posts, which under
+    /// emulation makes the next post slower (README, "Latency"). The other tasks of that
+    /// runtime thread wait up to this long each time, so it suits a thread that serves one busy
+    /// connection, with handlers that answer without waiting; it applies only within the spin
+    /// window (`busy_poll`).
     pub poll_burst: Duration,
     /// limit for address/route resolution and connection establishment
     pub connect_timeout: Duration,

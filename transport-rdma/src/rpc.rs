@@ -89,7 +89,7 @@ fn effective(opts: &RdmaOptions, config: &Config) -> RdmaOptions {
 impl RdmaOptions {
     /// The defaults with an `rdma://` endpoint's transport options applied: `device=NAME`,
     /// `busy_poll=0|1` (off, or the default spin), `busy_poll_us=N` (a fixed spin window),
-    /// `busy_poll_max_us=N` (the adaptive window's ceiling), `poll_burst_us=N` (a server's
+    /// `busy_poll_max_us=N` (the adaptive window's ceiling), `poll_burst_us=N` (the
     /// polling burst, [`RdmaOptions::poll_burst`]), `recv_slots=N`,
     /// `slot_size=N` (both sides must agree on these two), `srq_slots=N` (a server's shared
     /// receive queue), `push_up_to=N` or
@@ -469,6 +469,11 @@ impl rpc_core::DirectSend for Direct {
     fn spin_window(&self) -> std::time::Duration {
         self.engine()
             .map_or(std::time::Duration::ZERO, |e| e.conn.spin_window())
+    }
+
+    fn spin_burst(&self) -> std::time::Duration {
+        self.engine()
+            .map_or(std::time::Duration::ZERO, |e| e.conn.caller_burst())
     }
 
     fn progress(&self) -> bool {
