@@ -45,11 +45,11 @@ mod srq {
     transport_suite!(ep_srq);
 }
 
-/// The same suite against servers that poll in bursts of 200 µs (`poll_burst_us`, see
+/// The same suite with both ends polling in bursts of 200 µs (`poll_burst_us`, see
 /// transport-rdma's `RdmaOptions::poll_burst`) within a fixed 2 ms spin window, as the
 /// busy-poll latency figures run: deadlines, cancellation, flow control, shutdown and a
-/// server killed mid-call all hold while the server's driver hands back to its runtime only
-/// every 200 µs (the clients' connections ignore the option).
+/// server killed mid-call all hold while the server's driver, and a client's caller waiting
+/// alone for its answer, hand back to their runtime only every 200 µs.
 mod burst {
     use super::suite;
     use crate::transport_suite;
