@@ -699,8 +699,19 @@ impl Future for Answer<'_> {
                 let lone = t.waiting == 1;
                 drop(t);
                 if let (true, Some(direct)) = (lone, &this.state.direct) {
+                    // A caller whose answers all come within a burst would complete call after
+                    // call without handing its thread back (nothing on this path spends tokio's
+                    // cooperative budget), starving the thread's other tasks. Each burst that
+                    // finds something spends one unit; once the task's budget is spent, the
+                    // caller waits for one turn of the others (tokio wakes it after them).
+                    let Poll::Ready(coop) = tokio::task::coop::poll_proceed(cx) else {
+                        break;
+                    };
                     match this.spin.burst(&**direct) {
-                        Spin::Found => continue,
+                        Spin::Found => {
+                            coop.made_progress();
+                            continue;
+                        }
                         Spin::Turn => turn = true,
                         Spin::Off => {}
                     }

@@ -195,14 +195,19 @@ fn call(client: &Client, n: u64) -> impl std::future::Future<Output = Result<u64
 
 /// Answers each request as soon as it is posted, from a thread of its own (as the peer
 /// does), and never receives: only the callers' own polls can deliver the answers.
-fn answer_everything(mut server: Server) -> std::thread::JoinHandle<Server> {
+fn answer_everything(server: Server) -> std::thread::JoinHandle<Server> {
+    answer_requests(server, 20)
+}
+
+/// [`answer_everything`], for `n` requests.
+fn answer_requests(mut server: Server, n: usize) -> std::thread::JoinHandle<Server> {
     std::thread::spawn(move || {
         let rt = tokio::runtime::Builder::new_current_thread()
             .enable_all()
             .build()
             .unwrap();
         rt.block_on(async {
-            for _ in 0..20 {
+            for _ in 0..n {
                 let req = server.next_request().await;
                 server.answer(&req);
             }
@@ -355,12 +360,8 @@ async fn on_a_multi_thread_runtime_callers_leave_receiving_to_the_transport() {
     assert_eq!(server.polls(), 0, "no caller polled");
 }
 
-/// Counts the turns a task on this thread gets while the call below waits: with the client's
-/// own 10 µs bursts the caller lets it run between them, with the transport's long bursts it
-/// does not, since the answer comes within one. The peer answers only once the caller has
-/// polled `polls_before_answer` times (some milliseconds of polling, far more than 10 µs).
-async fn turns_of_another_task_while_waiting(burst: Duration) -> (usize, usize) {
-    let (client, mut server) = connect_bursting(Duration::from_secs(30), burst);
+/// Spawns a task that counts its turns on this thread, and lets it start.
+async fn ticker() -> (Arc<AtomicUsize>, tokio::task::JoinHandle<()>) {
     let turns = Arc::new(AtomicUsize::new(0));
     let ticker = tokio::spawn({
         let turns = Arc::clone(&turns);
@@ -371,8 +372,17 @@ async fn turns_of_another_task_while_waiting(burst: Duration) -> (usize, usize) 
             }
         }
     });
-    // the ticker is running
     let_tasks_run().await;
+    (turns, ticker)
+}
+
+/// Counts the turns a task on this thread gets while the call below waits: with the client's
+/// own 10 µs bursts the caller lets it run between them, with the transport's long bursts it
+/// does not, since the answer comes within one. The peer answers only once the caller has
+/// polled `polls_before_answer` times (some milliseconds of polling, far more than 10 µs).
+async fn turns_of_another_task_while_waiting(burst: Duration) -> (usize, usize) {
+    let (client, mut server) = connect_bursting(Duration::from_secs(30), burst);
+    let (turns, ticker) = ticker().await;
     let link = Arc::clone(&server.link);
     let polls_before_answer = 20_000;
     let peer = std::thread::spawn(move || {
@@ -411,5 +421,37 @@ async fn a_caller_spins_in_the_bursts_the_transport_asks_for() {
     assert!(
         during > 0,
         "with the client's own bursts, another task ran while the caller polled {polls} times"
+    );
+}
+
+/// Back-to-back lone calls whose answers all come within the caller's burst complete without
+/// ever waiting; the caller still hands its thread back once tokio's cooperative budget (128
+/// units a turn) is spent, so the thread's other tasks run between them.
+#[tokio::test(flavor = "current_thread")]
+async fn back_to_back_lone_calls_let_the_threads_other_tasks_run() {
+    let calls = 1_000;
+    let (client, server) = connect_bursting(Duration::from_secs(30), Duration::from_secs(30));
+    let (turns, ticker) = ticker().await;
+    let peer = answer_requests(server, calls);
+    let before = turns.load(Ordering::SeqCst);
+    let run = async {
+        for n in 0..calls as u64 {
+            assert_eq!(call(&client, n).await.unwrap(), n);
+        }
+    };
+    tokio::time::timeout(Duration::from_secs(30), run)
+        .await
+        .expect("answered");
+    let during = turns.load(Ordering::SeqCst) - before;
+    let server = peer.join().unwrap();
+    ticker.abort();
+    assert_eq!(
+        server.link.found.load(Ordering::SeqCst),
+        calls,
+        "the caller received every answer itself"
+    );
+    assert!(
+        during >= calls / 128 - 1,
+        "another task ran {during} times during {calls} back-to-back calls"
     );
 }
