@@ -19,7 +19,8 @@ each ratio beside its target, from the figures of that run alone:
   and at the same size (at least 80%), and in each paired round against the `ib_read_bw` at
   64 KiB run just before it, with the rounds' median, which is the verdict.
 
-A figure that is missing (its run failed) is reported as missing. The verdicts are information,
+A figure that is missing (its run failed, or perftest printed zero) is reported as missing, and
+a paired round without its perftest figure is left out. The verdicts are information,
 not test results: the exit status is 0 unless SUMMARY cannot be read.
 """
 
@@ -62,12 +63,21 @@ def main(path):
         m = SEND_LAT.match(line)
         if m:
             dev, t = m.group(1), float(m.group(2))
+            if t <= 0:
+                # perftest printed a row of zeros (seen on siw: exit 0, "0.00"): no figure
+                last_lat.pop(dev, None)
+                continue
             send_lat.setdefault(dev, t)
             last_lat[dev] = t
             continue
         m = READ_BW.match(line)
         if m:
             dev, nbytes, mib = m.group(1), int(m.group(2)), float(m.group(4))
+            if mib <= 0:
+                # likewise: no figure to compare with, nor to pair with what follows
+                if nbytes == 65536:
+                    last_bw.pop(dev, None)
+                continue
             if int(m.group(3)) > 1:
                 read_bw.setdefault((dev, nbytes), mib)
                 if nbytes == 65536:
