@@ -12,7 +12,7 @@ often in both runs and drops out.
 Prints the footprint (distinct instructions), the instructions executed per call, the footprint
 per object file, and the TOP (default 25) functions with the largest share of it.
 
-Why it matters (README, "Latency", "Code between two posts"): under QEMU's TCG the kernel's
+Why it matters (docs/latency.md, "Code between two posts"): under QEMU's TCG the kernel's
 work in `ibv_post_send` runs slower the more distinct user-space code ran since the last post,
 so this count, which does not depend on load, predicts latency in the test bed better than a
 timing does.

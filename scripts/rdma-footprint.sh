@@ -4,7 +4,7 @@
 # process runs on every call (callgrind; scripts/callgrind-footprint.py), client and server.
 #
 # Under TCG the kernel's work in `ibv_post_send` takes longer the more distinct user-space code
-# ran since the last post (README, "Latency", "Code between two posts"), so this figure, which
+# ran since the last post (docs/latency.md, "Code between two posts"), so this figure, which
 # does not depend on the host's load, is the steady measure of a change to the hot path; the
 # round trip itself moves by tens of percent between runs here.
 #

@@ -756,7 +756,7 @@ enum Spin {
 /// transport's spin window ([`DirectSend::spin_window`]) from its first burst: the answer is
 /// then handled where it is found, with no hand-off from the transport's receiving task (a
 /// wake-up and a task switch: about 1 µs of a ~14 µs client side on RDMA under emulation, see
-/// README, "Latency").
+/// docs/latency.md).
 ///
 /// A spinning caller keeps its thread from running other tasks, whose answers it does not
 /// receive, so it spins only when nothing else is likely to need that thread: on a

@@ -21,14 +21,14 @@
 //! rpc-core's work per call is. `--footprint-same` runs one of them N times instead (the same
 //! number of instructions, a footprint of one function). The client also reports the p50 of its
 //! `send` (the post's system call and the SEND's local completion), where under emulation the
-//! footprint shows (README, "Latency": "Code between two posts").
+//! footprint shows (docs/latency.md, "Code between two posts").
 //!
 //! `--lean` runs both sides as loops that never wait and never yield to the runtime within a
 //! round trip: each posts with [`RdmaConnection::try_send`], polls the CQ itself with
 //! [`RdmaConnection::poll_completions`] and takes the message with
 //! [`RdmaConnection::try_recv_bytes`], with no completion driver and no task switch in between.
 //! It is the floor of the connection layer: the least user-space code this transport runs per
-//! round trip (README, "Latency": "Code between two posts"). Its `send` is the post alone.
+//! round trip (docs/latency.md, "Code between two posts"). Its `send` is the post alone.
 //! `--borrow` (with `--lean`) receives with [`RdmaConnection::poll_recv_with`] instead: each
 //! message borrowed from its slot, the same slot posted again at once.
 //!

@@ -5,7 +5,7 @@
 //! slot's credit until it is taken), so a `VecDeque` and the consumer's waker under one
 //! uncontended lock do. It replaces tokio's unbounded channel, whose linked blocks, atomic
 //! waker and semaphore cost the server ~1,100 instructions per small call over RDMA in the
-//! reader alone (callgrind in the guest, 2026-12-01; see the README, "Latency", item 17).
+//! reader alone (callgrind in the guest, 2026-12-01; see docs/latency.md, item 17).
 
 use std::collections::VecDeque;
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};

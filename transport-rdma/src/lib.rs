@@ -286,7 +286,7 @@ pub struct RdmaOptions {
     /// a connection that connected (a client's) it is the caller of a lone call, which polls
     /// for its own answer (0, the default: bursts of 10 µs, the RPC client's own). Every
     /// hand-back to the runtime runs the scheduler's code between two posts, which under
-    /// emulation makes the next post slower (README, "Latency"). The other tasks of that
+    /// emulation makes the next post slower (docs/latency.md). The other tasks of that
     /// runtime thread wait up to this long each time, so it suits a thread that serves one busy
     /// connection, with handlers that answer without waiting; it applies only within the spin
     /// window (`busy_poll`).

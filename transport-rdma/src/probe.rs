@@ -11,7 +11,7 @@
 //! batch. `scripts/latency-split.py <dir>` pairs a client's and a server's records of a
 //! one-in-flight run (`rpc-perf --concurrency 1`) and prints the medians of each part: request
 //! on the wire (post to the peer's completion found), server (its completion to its answer's
-//! post), answer on the wire, client (its completion to its next post). See README, "Latency".
+//! post), answer on the wire, client (its completion to its next post). See docs/latency.md.
 
 /// What is recorded.
 #[derive(Clone, Copy)]
