@@ -62,6 +62,7 @@
 
 use std::fmt;
 use std::future::Future;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -216,13 +217,17 @@ impl Conn {
     }
 }
 
-/// One connection attempt, with the greeting, bounded by `connect_timeout`.
+/// One connection attempt, with the greeting, bounded by `connect_timeout`. Timed out, its
+/// error says which part did not finish: the transport's connection (TCP and TLS, or RDMA's
+/// connection manager) or the greeting over it.
 async fn connect_once(
     endpoint: &Endpoint,
     config: &Config,
     pools: &rdma::Pools,
 ) -> Result<rpc_core::Client, RpcError> {
     let timeout = config.connect_timeout;
+    // set once the transport's connection is up, before the greeting
+    let connected = AtomicBool::new(false);
     let connecting = async {
         match endpoint.scheme() {
             Scheme::Tcp => {
@@ -230,9 +235,10 @@ async fn connect_once(
                 let t = TcpTransport::connect_endpoint(endpoint, config.clone())
                     .await
                     .map_err(|e| connect_error(endpoint, e))?;
+                connected.store(true, Ordering::Relaxed);
                 rpc_core::Client::handshake(t, config.clone()).await
             }
-            Scheme::Rdma => rdma::connect(endpoint, config.clone(), pools).await,
+            Scheme::Rdma => rdma::connect(endpoint, config.clone(), pools, &connected).await,
             _ => Err(RpcError::Unavailable(format!(
                 "{endpoint}: transport not built in"
             ))),
@@ -243,7 +249,16 @@ async fn connect_once(
         connecting.instrument(tracing::info_span!("connect", %endpoint)),
     )
     .await
-    .map_err(|_| RpcError::Unavailable(format!("{endpoint}: no connection within {timeout:?}")))?
+    .map_err(|_| {
+        let stalled = if connected.load(Ordering::Relaxed) {
+            "connected, but the server did not answer the greeting"
+        } else {
+            "the transport's connection was not set up"
+        };
+        RpcError::Unavailable(format!(
+            "{endpoint}: no connection within {timeout:?} ({stalled})"
+        ))
+    })?
 }
 
 impl Client {
@@ -257,7 +272,7 @@ impl Client {
         let config = config
             .with_endpoint_options(endpoint)
             .map_err(invalid_config)?;
-        let pools = rdma::Pools::default();
+        let pools: rdma::Pools = Default::default();
         let first = connect_once(endpoint, &config, &pools).await?;
         Ok(Client::with_conn(
             Some(endpoint.clone()),
@@ -271,7 +286,7 @@ impl Client {
     /// a client cannot reconnect.
     pub fn from_transport<T: rpc_core::Transport>(transport: T, config: Config) -> Client {
         let first = rpc_core::Client::new(transport, config.clone());
-        Client::with_conn(None, config, first, rdma::Pools::default())
+        Client::with_conn(None, config, first, Default::default())
     }
 
     fn with_conn(
@@ -562,6 +577,7 @@ mod rdma {
         endpoint: &Endpoint,
         config: Config,
         pools: &Pools,
+        connected: &std::sync::atomic::AtomicBool,
     ) -> Result<rpc_core::Client, RpcError> {
         let monitor = pools.0.get_or_init(Default::default).clone();
         let t = transport_rdma::RdmaTransport::connect_endpoint_tracked(
@@ -571,6 +587,7 @@ mod rdma {
         )
         .await
         .map_err(|e| rdma_error(endpoint, e))?;
+        connected.store(true, std::sync::atomic::Ordering::Relaxed);
         rpc_core::Client::handshake(t, config).await
     }
 
@@ -599,6 +616,7 @@ mod rdma {
         endpoint: &Endpoint,
         _config: Config,
         _pools: &Pools,
+        _connected: &std::sync::atomic::AtomicBool,
     ) -> Result<rpc_core::Client, RpcError> {
         Err(RpcError::Unavailable(format!("{endpoint}: {WHY}")))
     }

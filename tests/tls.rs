@@ -486,3 +486,26 @@ async fn bind_tls_in_code() {
         .unwrap()
         .unwrap();
 }
+
+/// A connection attempt that times out says which part did not finish: a TLS client against
+/// a listener that accepts and then says nothing stalls in the TLS handshake, part of the
+/// transport's connection, before any greeting.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn connect_timeout_names_the_transport_when_the_peer_is_silent() {
+    let pki = Pki::new();
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let port = listener.local_addr().unwrap().port();
+    let silent = tokio::spawn(async move {
+        let (mut s, _) = listener.accept().await.unwrap();
+        let mut sink = vec![0u8; 1024];
+        while s.read(&mut sink).await.map(|n| n > 0).unwrap_or(false) {}
+    });
+    let ep = pki.client_ep(port).with_option("connect_timeout_ms", "300");
+    let e = refused(&ep).await;
+    assert!(e.contains("no connection within 300ms"), "{e}");
+    assert!(
+        e.contains("the transport's connection was not set up"),
+        "{e}"
+    );
+    silent.abort();
+}
