@@ -380,7 +380,7 @@ perf() { # perf DEV TOOL ARGS... : server + client on DEV's address; summary lin
     if [ $crc = 0 ] && [ -n "$row" ] && awk -v f="$fig" 'BEGIN { exit !(f + 0 == 0) }'; then
       note "perftest $d $tool $*: printed a figure of zero (attempt $attempt; see logs/perf-$tool$tag-$d-zero-$attempt.log)"
       cp "$clog" "logs/perf-$tool$tag-$d-zero-$attempt.log"
-      row=""; crc=0
+      row=""
       continue
     fi
     break
@@ -433,7 +433,11 @@ if [ "${RDMA_TEST_PERFTEST:-1}" = 1 ] && [ -x perf/rpc-perf ]; then
 fi
 
 if [ $FAILED -gt 0 ] || [ $PROBLEMS -gt 0 ]; then
-  echo "===== dmesg (rdma related)"; dmesg | grep -i -E 'rxe|siw|rdma|infiniband' | tail -n 20
+  # the kernel's whole log goes to logs/ (its "speed is unknown" lines, one per device query, left
+  # out); the console gets the RDMA-related tail
+  dmesg | grep -v 'speed is unknown' > logs/dmesg.log || true
+  echo "===== dmesg (rdma related; all of it in logs/dmesg.log)"
+  grep -i -E 'rxe|siw|rdma|infiniband|iw_cm|mpa' logs/dmesg.log | tail -n 30
 fi
 echo "$PASSED $FAILED $PROBLEMS" > /mnt/share/counts
 [ $FAILED = 0 ] && [ $PROBLEMS = 0 ] && [ $PASSED -gt 0 ]

@@ -274,6 +274,14 @@ pub async fn connect_with(ep: &Endpoint, config: Config) -> ProbeClient {
     ProbeClient::from_client(Client::connect_with(ep, config).await.expect("connect"))
 }
 
+/// As `connect_with`; a failure names the test's stage and which server it was.
+async fn connect_named(ep: &Endpoint, config: Config, stage: &str, whom: &str) -> ProbeClient {
+    match Client::connect_with(ep, config).await {
+        Ok(c) => ProbeClient::from_client(c),
+        Err(e) => panic!("[{stage}] connecting to {whom}: {e:?}"),
+    }
+}
+
 fn pattern(len: usize, seed: u8) -> Vec<u8> {
     (0..len)
         .map(|i| (i as u8).wrapping_mul(31).wrapping_add(seed) ^ (i >> 8) as u8)
@@ -715,7 +723,7 @@ pub async fn server_killed_at_every_stage(bind: &Endpoint) {
     let bound = config.keepalive_timeout * 3;
     for stage in ["before the request", "mid-call", "after the reply"] {
         let srv = Doomed::start(bind, config.clone());
-        let client = connect_with(&srv.endpoint, config.clone()).await;
+        let client = connect_named(&srv.endpoint, config.clone(), stage, "the doomed server").await;
         let mut echoes = Vec::new();
         let mut blocked = None;
         let mut kept = None;
@@ -778,7 +786,7 @@ pub async fn server_killed_at_every_stage(bind: &Endpoint) {
         }
         // a new server, a new connection
         let fresh = start(bind, config.clone()).await;
-        let c = connect_with(&fresh.endpoint, config.clone()).await;
+        let c = connect_named(&fresh.endpoint, config.clone(), stage, "a new server").await;
         let d = pattern(2 << 20, 9);
         let back = c
             .echo(Payload::from(d.clone()))
