@@ -3,8 +3,8 @@
 
 use std::collections::HashMap;
 use std::net::SocketAddr;
-use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, OnceLock};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, OnceLock, Weak};
 use std::time::{Duration, Instant};
 
 use tokio::io::unix::AsyncFd;
@@ -114,6 +114,10 @@ struct Shared {
     large: Mutex<Vec<Arc<PoolRegion>>>,
     large_cap: u64,
     monitor: PoolMonitor,
+    /// a receive has completed: the peer has been heard from (see [`nudge_until_heard`])
+    heard: AtomicBool,
+    /// how often this side nudged a silent peer (see [`nudge_until_heard`])
+    nudges: AtomicU32,
     /// the connection's part of its listener's shared receive queue, if it uses one (last:
     /// its window goes back to the budget once the QP is gone)
     srq_share: Option<SrqShare>,
@@ -559,8 +563,8 @@ impl Shared {
                     .to_vec();
                 Ok(Some(data.into()))
             }
-            RecvEvent::Data(Mem::View { .. }, _) => Err(RdmaError::InvalidArgument(
-                "a receive completed into a WRITE's source".into(),
+            RecvEvent::Data(Mem::View { .. } | Mem::Empty, _) => Err(RdmaError::InvalidArgument(
+                "a receive completed into a WRITE's memory".into(),
             )),
             RecvEvent::Eof => Ok(None),
             RecvEvent::Failed { err, flushed } => {
@@ -854,6 +858,8 @@ impl RdmaConnection {
             large: Mutex::new(Vec::new()),
             large_cap: opts.large_buffer_bytes,
             monitor,
+            heard: AtomicBool::new(false),
+            nudges: AtomicU32::new(0),
             srq_share,
         });
         let afd = verbs::async_fd(cq)?;
@@ -874,6 +880,9 @@ impl RdmaConnection {
             (Duration::ZERO, opts.poll_burst)
         };
         let driver = tokio::spawn(drive(Arc::clone(&shared), afd, cm_rx, burst));
+        if !passive && transport == TransportKind::IWarp {
+            tokio::spawn(nudge_until_heard(Arc::downgrade(&shared)));
+        }
         Ok(RdmaConnection {
             shared,
             recv_rx: tokio::sync::Mutex::new(recv_rx),
@@ -892,6 +901,15 @@ impl RdmaConnection {
     /// Whether we accepted the connection (the peer connected).
     pub fn is_accepted(&self) -> bool {
         self.passive
+    }
+
+    /// How many times this side nudged a peer it had not heard from since the connection was
+    /// set up: an RDMA WRITE of no bytes, which only a connecting side on iWARP sends (siw can
+    /// strand the first messages of a new connection in its kernel socket until another
+    /// packet arrives; see the README's design notes). A diagnostic: 0 unless the peer was
+    /// silent for at least 20 ms after the set-up, and at most 8.
+    pub fn nudges(&self) -> u32 {
+        self.shared.nudges.load(Ordering::Relaxed)
     }
 
     /// The connection's part of its listener's shared receive queue, if it has one.
@@ -1743,6 +1761,71 @@ async fn drive(
     }
 }
 
+/// How long a connecting side on iWARP waits to hear from its peer after the set-up before it
+/// first nudges it ([`nudge_until_heard`]); each further wait doubles, up to [`NUDGE_MAX`].
+const NUDGE_FIRST: Duration = Duration::from_millis(20);
+/// The longest wait between two nudges.
+const NUDGE_MAX: Duration = Duration::from_secs(1);
+/// Nudges at most (about 3.3 s of silence): a stranded packet is freed by the first nudge that
+/// arrives after the window described at [`nudge_until_heard`], which lasts for as long as
+/// the accepting side's kernel thread is held up (milliseconds); a peer that is silent by
+/// design (a protocol in which only this side talks) is left alone after that.
+const NUDGE_LIMIT: u32 = 8;
+
+/// Nudges a silent peer until it has been heard from: the connecting side of an iWARP
+/// connection posts an RDMA WRITE of no bytes after [`NUDGE_FIRST`], then after each doubled
+/// wait, until a receive completes, the connection is gone, or [`NUDGE_LIMIT`] nudges went.
+///
+/// Why: soft-iWARP (siw; Linux 6.1's `siw_accept`) sends the MPA reply and only then moves the
+/// accepted socket's receive callback from its connection manager to the QP. A packet that the
+/// connecting side sends in between (it may send as soon as the reply arrived) lands in the
+/// socket while the connection manager's callback, already in RDMA mode, ignores it, and the
+/// QP reads the socket only when the next packet arrives. A client whose first message waits
+/// for an answer (an RPC greeting) then waits until its timeout: seen in the guest tests with
+/// the host loaded (docs/rdma-history.md). A nudge is that next packet: the peer's QP reads
+/// what was stranded with it. An RDMA WRITE of no bytes takes no receive slot and no credit at
+/// the peer and raises no completion there, so the peer's protocol never sees it, and it may
+/// go as often as needed. A peer that answers within [`NUDGE_FIRST`] is never nudged.
+async fn nudge_until_heard(shared: Weak<Shared>) {
+    let mut wait = NUDGE_FIRST;
+    // the last nudge's completion: one nudge at a time
+    let mut last: Option<oneshot::Receiver<Done>> = None;
+    loop {
+        tokio::time::sleep(wait).await;
+        wait = (wait * 2).min(NUDGE_MAX);
+        let Some(shared) = shared.upgrade() else {
+            return;
+        };
+        if shared.heard.load(Ordering::Relaxed) || shared.check_open().is_err() {
+            return;
+        }
+        if let Some(rx) = &mut last {
+            match rx.try_recv() {
+                Err(oneshot::error::TryRecvError::Empty) => continue,
+                Ok(Done { res: Err(_), .. }) => return,
+                _ => {}
+            }
+        }
+        // a place of the send queue's for one-sided requests, given back at once: the queue
+        // holds as many again for requests whose waiter left before their completion
+        let Ok(_place) = shared.one_sided_permits.try_acquire() else {
+            continue;
+        };
+        match post(&shared, Qp::post_empty_write) {
+            Ok(rx) => last = Some(rx),
+            Err(_) => return,
+        }
+        let n = shared.nudges.fetch_add(1, Ordering::Relaxed) + 1;
+        tracing::debug!(
+            "transport-rdma: qp {}: nothing heard from the peer since the set-up; nudge {n}",
+            shared.qp.qp_num()
+        );
+        if n >= NUDGE_LIMIT {
+            return;
+        }
+    }
+}
+
 fn on_cm_event(shared: &Shared, ev: CmEvent) {
     match ev.kind {
         // A peer that dies while the connection is being set up can make rdma_cm reject it
@@ -1822,6 +1905,9 @@ fn dispatch(shared: &Shared, wcs: &[Wc], mut lend: Option<&mut Lend<'_>>) {
     for wc in wcs {
         if wc.kind == WrKind::Recv {
             crate::probe::mark(crate::probe::Point::Recv);
+            if !shared.heard.load(Ordering::Relaxed) {
+                shared.heard.store(true, Ordering::Relaxed);
+            }
         }
         // what this connection keeps for a work request leaves its tables before the QP retires
         // the request's id, which frees the id's slot for the next post

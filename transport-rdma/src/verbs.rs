@@ -964,6 +964,8 @@ pub(crate) enum Mem {
         _payload: rpc_core::Payload,
         _region: Arc<PoolRegion>,
     },
+    /// none: an RDMA WRITE of no bytes ([`Qp::post_empty_write`])
+    Empty,
 }
 
 struct InFlight {
@@ -1178,11 +1180,11 @@ impl Qp {
         &self,
         wr_id: u64,
         opcode: ibv_wr_opcode::Type,
-        sge: (u32, u64, usize),
+        sge: Option<(u32, u64, usize)>,
         remote: Option<RemoteAddr>,
     ) -> Result<(), std::io::Error> {
-        let (lkey, addr, len) = sge;
-        let mut sge = ibv_sge {
+        let (lkey, addr, len) = sge.unwrap_or_default();
+        let mut entry = ibv_sge {
             addr,
             length: len as u32,
             lkey,
@@ -1190,8 +1192,10 @@ impl Qp {
         // SAFETY: an all-zero `ibv_send_wr` is a valid value (null pointers, zero counts).
         let mut wr: ibv_send_wr = unsafe { std::mem::zeroed() };
         wr.wr_id = wr_id;
-        wr.sg_list = &mut sge;
-        wr.num_sge = 1;
+        if sge.is_some() {
+            wr.sg_list = &mut entry;
+            wr.num_sge = 1;
+        }
         wr.opcode = opcode;
         wr.send_flags = ibv_send_flags::IBV_SEND_SIGNALED.0;
         if let Some(r) = remote {
@@ -1207,10 +1211,11 @@ impl Qp {
             crate::probe::mark(crate::probe::Point::Post);
         }
         let mut bad: *mut ibv_send_wr = std::ptr::null_mut();
-        // SAFETY: the QP is live (owned by `self`); `wr` and `sge` live across the call, which
-        // copies them into the send queue; the caller has checked that the local range lies in
-        // memory registered under `lkey` and keeps that memory in `inflight` until the work
-        // request is retired or the QP destroyed.
+        // SAFETY: the QP is live (owned by `self`); `wr` and `entry` live across the call, which
+        // copies them into the send queue; with an `sge`, the caller has checked that the local
+        // range lies in memory registered under `lkey` and keeps that memory in `inflight` until
+        // the work request is retired or the QP destroyed (without one, the request touches no
+        // local memory: no scatter/gather entry, `num_sge` 0).
         let ret = unsafe { rdma_mummy_sys::ibv_post_send(self.qp.qp.as_ptr(), &mut wr, &mut bad) };
         // siw returns negative errno values
         match ret {
@@ -1286,6 +1291,31 @@ impl Qp {
         self.post_one(WrKind::Write, region, off, len, Some(remote))
     }
 
+    /// Posts a signaled RDMA WRITE of no bytes: no memory on either side and no remote key (a
+    /// zero-length WRITE is checked against none; rxe and siw complete it and the connection
+    /// carries on). It still travels to the peer as a packet, which is what it is for: see
+    /// `RdmaConnection`'s nudge (conn.rs).
+    pub(crate) fn post_empty_write(&self) -> Result<u64, RdmaError> {
+        let mut inflight = lock(&self.inflight);
+        let wr_id = inflight.insert(
+            WrKind::Write.tag(),
+            InFlight {
+                _mr: None,
+                mem: Mem::Empty,
+            },
+        );
+        let remote = RemoteAddr { addr: 0, rkey: 0 };
+        let res = self.post_send_wr(wr_id, ibv_wr_opcode::IBV_WR_RDMA_WRITE, None, Some(remote));
+        if let Err(e) = res {
+            inflight.remove(wr_id);
+            return Err(RdmaError::Verbs {
+                op: "ibv_post_send (empty RDMA WRITE)",
+                source: Box::new(e),
+            });
+        }
+        Ok(wr_id)
+    }
+
     /// Posts a signaled RDMA READ of `len` bytes at `remote` into `region[off..off+len]`.
     pub(crate) fn post_read(
         &self,
@@ -1332,7 +1362,7 @@ impl Qp {
         // the range was checked to lie inside the region, whose memory stays allocated (the Arc
         // inserted into `inflight` above) until this work request is retired or the QP is
         // destroyed; `lkey` belongs to an MR covering the whole region
-        let res = self.post_send_wr(wr_id, opcode, (lkey, region.addr(off), len), remote);
+        let res = self.post_send_wr(wr_id, opcode, Some((lkey, region.addr(off), len)), remote);
         if let Err(e) = res {
             inflight.remove(wr_id);
             let op = match kind {
@@ -1467,7 +1497,7 @@ impl Qp {
         let res = self.post_send_wr(
             wr_id,
             ibv_wr_opcode::IBV_WR_RDMA_WRITE,
-            (lkey, addr, len),
+            Some((lkey, addr, len)),
             Some(remote),
         );
         res.map(|()| wr_id).map_err(|e| {
@@ -1527,7 +1557,7 @@ impl Qp {
         // registered, and the buffer sits in `inflight` until retired; `lkey` is the region's
         // MR or the per-READ MR covering `addr..addr+len`, kept in `inflight` beside the buffer
         // (and dropped before it)
-        let res = self.post_send_wr(wr_id, opcode, (lkey, addr, len), Some(remote));
+        let res = self.post_send_wr(wr_id, opcode, Some((lkey, addr, len)), Some(remote));
         let op = if kind == WrKind::Write {
             "ibv_post_send (RDMA WRITE)"
         } else {

@@ -499,3 +499,64 @@ async fn borrowed_receive_reposts_each_slot_in_order() {
     .await
     .expect("test timed out");
 }
+
+/// A connecting side that has not heard from its peer since the set-up nudges it (an RDMA
+/// WRITE of no bytes) on iWARP, where soft-iWARP can strand a new connection's first messages
+/// until another packet arrives (see `RdmaConnection::nudges`), and never on InfiniBand/RoCE.
+/// The nudges are invisible to the peer: it receives exactly the messages sent, and both
+/// directions carry on.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_silent_peer_is_nudged_on_iwarp_only() {
+    let (dev, addr) = target(20_091);
+    tokio::time::timeout(LIMIT, async move {
+        let (server, client) = pair(addr, RdmaOptions::default()).await;
+        let iwarp = client.transport() == transport_rdma::TransportKind::IWarp;
+        client.send(b"first").await.expect("send");
+        assert_eq!(
+            server.recv().await.expect("recv").as_deref(),
+            Some(&b"first"[..])
+        );
+        // the server stays silent: on iWARP the client nudges it, after 20 ms and again after
+        // 40 more (checked every 5 ms); elsewhere the same time passes without a nudge
+        let silent = Instant::now();
+        if iwarp {
+            while client.nudges() < 2 {
+                tokio::time::sleep(Duration::from_millis(5)).await;
+            }
+        } else {
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+        let nudged = client.nudges();
+        let waited = silent.elapsed();
+        server.send(b"answer").await.expect("send");
+        assert_eq!(
+            client.recv().await.expect("recv").as_deref(),
+            Some(&b"answer"[..])
+        );
+        // the nudges took no slot and raised nothing at the server: the next message is the
+        // next one it receives
+        client.send(b"second").await.expect("send");
+        assert_eq!(
+            server.recv().await.expect("recv").as_deref(),
+            Some(&b"second"[..])
+        );
+        assert_eq!(server.nudges(), 0, "the accepting side never nudges");
+        if iwarp {
+            assert!(nudged >= 2, "{nudged} nudges");
+        } else {
+            assert_eq!(nudged, 0, "nudged on {:?}", client.transport());
+        }
+        client.close();
+        assert_eq!(
+            server.recv().await.expect("recv"),
+            None,
+            "the end of the stream"
+        );
+        println!(
+            "device {dev}: {nudged} nudges of a peer silent for {waited:?} ({:?})",
+            client.transport()
+        );
+    })
+    .await
+    .expect("test timed out");
+}
