@@ -311,8 +311,8 @@ if [ -x perf/rpc-perf ]; then
         --op echo --sizes 0 --concurrency 1 --duration 4 --warmup 1 > "$pdir/client.log" 2>&1; rc=$?
       kill "$psrv" 2>/dev/null; wait "$psrv" 2>/dev/null
       n=$(find "$pdir" -name 'probe-*.txt' | wc -l)
-      if [ $rc != 0 ] || [ "$n" != 4 ]; then
-        note "latency probe $d: FAILED (exit $rc, $n of 4 records; see logs/probe-$d)"; PROBLEMS=$((PROBLEMS+1))
+      if [ $rc != 0 ] || [ "$n" != 6 ]; then
+        note "latency probe $d: FAILED (exit $rc, $n of 6 records; see logs/probe-$d)"; PROBLEMS=$((PROBLEMS+1))
       else
         note "latency probe $d: busy-poll small call recorded in logs/probe-$d ($(awk '/bytes +calls/ {on=1; next} on && NF == 7 {print "p50", $5, "us"}' "$pdir/client.log"))"
       fi

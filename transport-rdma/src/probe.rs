@@ -3,14 +3,16 @@
 //! [`mark`] is empty and compiles to nothing).
 //!
 //! With `RDMA_RPC_PROBE_DIR` set, each process records the wall-clock time (`CLOCK_REALTIME`,
-//! the one clock two processes of one machine share) just before every SEND is posted and just
-//! after every receive completion is polled, and appends them, 8,192 at a time, to
-//! `<dir>/probe-<pid>-post.txt` and `<dir>/probe-<pid>-recv.txt` (one number of nanoseconds per
-//! line), up to `RDMA_RPC_PROBE_COUNT` of each (1,000,000 by default). The room for one batch is
-//! reserved at the first mark; a process that ends between two appends loses the last partial
-//! batch. `scripts/latency-split.py <dir>` pairs a client's and a server's records of a
-//! one-in-flight run (`rpc-perf --concurrency 1`) and prints the medians of each part: request
-//! on the wire (post to the peer's completion found), server (its completion to its answer's
+//! the one clock two processes of one machine share) just before every SEND is posted, just
+//! after its post returned, and just after every receive completion is polled, and appends
+//! them, 8,192 at a time, to `<dir>/probe-<pid>-post.txt`, `<dir>/probe-<pid>-posted.txt` and
+//! `<dir>/probe-<pid>-recv.txt` (one number of nanoseconds per line), up to
+//! `RDMA_RPC_PROBE_COUNT` of each (1,000,000 by default). The room for one batch is reserved at
+//! the first mark; a process that ends between two appends loses the last partial batch.
+//! `scripts/latency-split.py <dir>` pairs a client's and a server's records of a one-in-flight
+//! run (`rpc-perf --concurrency 1`) and prints the median and the 99th percentile of each
+//! part: request on the wire (post to the peer's completion found; of which the sender's post
+//! call, which on rxe does the device's whole work), server (its completion to its answer's
 //! post), answer on the wire, client (its completion to its next post). See docs/latency.md.
 
 /// What is recorded.
@@ -20,6 +22,8 @@ pub(crate) enum Point {
     Post = 0,
     /// just after a receive completion was polled
     Recv = 1,
+    /// just after a SEND's post returned
+    Posted = 2,
 }
 
 #[cfg(feature = "latency-probe")]
@@ -37,7 +41,7 @@ mod imp {
         dir: std::path::PathBuf,
         count: usize,
         /// per point: the batch not yet written, and how many were recorded in all
-        marks: [Mutex<(Vec<u64>, usize)>; 2],
+        marks: [Mutex<(Vec<u64>, usize)>; 3],
     }
 
     fn probe() -> Option<&'static Probe> {
@@ -52,7 +56,11 @@ mod imp {
                 Some(Probe {
                     dir: dir.into(),
                     count,
-                    marks: [Mutex::new((Vec::new(), 0)), Mutex::new((Vec::new(), 0))],
+                    marks: [
+                        Mutex::new((Vec::new(), 0)),
+                        Mutex::new((Vec::new(), 0)),
+                        Mutex::new((Vec::new(), 0)),
+                    ],
                 })
             })
             .as_ref()
@@ -79,6 +87,7 @@ mod imp {
             let name = match point {
                 Point::Post => "post",
                 Point::Recv => "recv",
+                Point::Posted => "posted",
             };
             let path = p
                 .dir

@@ -1217,6 +1217,9 @@ impl Qp {
         // the work request is retired or the QP destroyed (without one, the request touches no
         // local memory: no scatter/gather entry, `num_sge` 0).
         let ret = unsafe { rdma_mummy_sys::ibv_post_send(self.qp.qp.as_ptr(), &mut wr, &mut bad) };
+        if opcode == ibv_wr_opcode::IBV_WR_SEND {
+            crate::probe::mark(crate::probe::Point::Posted);
+        }
         // siw returns negative errno values
         match ret {
             0 => Ok(()),
