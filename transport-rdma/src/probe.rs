@@ -56,11 +56,7 @@ mod imp {
                 Some(Probe {
                     dir: dir.into(),
                     count,
-                    marks: [
-                        Mutex::new((Vec::new(), 0)),
-                        Mutex::new((Vec::new(), 0)),
-                        Mutex::new((Vec::new(), 0)),
-                    ],
+                    marks: std::array::from_fn(|_| Mutex::new((Vec::new(), 0))),
                 })
             })
             .as_ref()

@@ -1207,7 +1207,8 @@ impl Qp {
                 },
             };
         }
-        if opcode == ibv_wr_opcode::IBV_WR_SEND {
+        let send = opcode == ibv_wr_opcode::IBV_WR_SEND;
+        if send {
             crate::probe::mark(crate::probe::Point::Post);
         }
         let mut bad: *mut ibv_send_wr = std::ptr::null_mut();
@@ -1217,7 +1218,7 @@ impl Qp {
         // the work request is retired or the QP destroyed (without one, the request touches no
         // local memory: no scatter/gather entry, `num_sge` 0).
         let ret = unsafe { rdma_mummy_sys::ibv_post_send(self.qp.qp.as_ptr(), &mut wr, &mut bad) };
-        if opcode == ibv_wr_opcode::IBV_WR_SEND {
+        if send {
             crate::probe::mark(crate::probe::Point::Posted);
         }
         // siw returns negative errno values
