@@ -27,7 +27,9 @@ const TOKEN: &str = "$rdma_rpc::Payload";
 ///
 /// Clones share the same memory. A `Payload` received from the network is a view into the
 /// receive buffer (no copy); on RDMA that buffer is a registered pool buffer that goes back to
-/// its pool when the last view is dropped.
+/// its pool when the last view is dropped, except for a payload that came in a message of at
+/// most 256 bytes, which the RDMA transport copies out of its receive slot (cheaper than a
+/// view, for so few bytes).
 #[derive(Clone, Default, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct Payload(Bytes);
 

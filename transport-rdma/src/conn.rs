@@ -79,7 +79,7 @@ struct Shared {
     qp: Arc<Qp>,
     cq: Arc<Cq>,
     /// held while polling the CQ and dispatching, so completions are delivered in order
-    poll_lock: Mutex<Polled>,
+    poll_lock: Mutex<Poller>,
     recv_tx: mpsc::UnboundedSender<RecvEvent>,
     /// where received messages go once a receiver is installed (see
     /// [`RdmaConnection::deliver_to`]): straight from the task that polled the CQ, instead of
@@ -453,7 +453,7 @@ impl Shared {
     }
 
     /// The poll lock, unless another task holds it.
-    fn try_poll_lock(&self) -> Option<std::sync::MutexGuard<'_, Polled>> {
+    fn try_poll_lock(&self) -> Option<std::sync::MutexGuard<'_, Poller>> {
         match self.poll_lock.try_lock() {
             Ok(g) => Some(g),
             Err(std::sync::TryLockError::Poisoned(p)) => Some(p.into_inner()),
@@ -465,9 +465,10 @@ impl Shared {
     /// messages to `lend` if given (see `dispatch`); how many completions it found.
     fn poll_locked(
         &self,
-        polled: &mut Polled,
+        poller: &mut Poller,
         lend: Option<&mut Lend<'_>>,
     ) -> Result<usize, RdmaError> {
+        let Poller { polled, arena } = poller;
         let n = match self.cq.poll(polled) {
             Ok(n) => n,
             Err(e) => {
@@ -477,7 +478,7 @@ impl Shared {
         };
         if n > 0 {
             self.spin.on_completions(self.spin.now());
-            dispatch(self, polled.wcs(), lend);
+            dispatch(self, polled.wcs(), arena, lend);
         }
         Ok(n)
     }
@@ -589,9 +590,32 @@ impl Shared {
     }
 }
 
+/// What polls the CQ owns, behind the poll lock: the completions' buffer, and the arena that
+/// small received messages are copied into (see [`COPY_AT_MOST`]).
+struct Poller {
+    polled: Polled,
+    arena: bytes::BytesMut,
+}
+
+/// A received message at most this long is copied out of its slot into the poller's arena,
+/// and the same slot is posted again at once; a longer one is handed on as a view of its slot
+/// (no copy), and a fresh slot is posted in its place. For a small message the copy costs
+/// less than what a view takes: leasing the fresh slot, an owner allocated for the view, the
+/// slot's return to the pool when the view is dropped. It also keeps a held small message
+/// from pinning a whole slot (`RdmaOptions::slot_size`, 16 KiB by default). Payloads of
+/// this size are then heap memory, not registered; larger ones stay views of their slot or
+/// rendezvous buffer.
+const COPY_AT_MOST: usize = 256;
+
+/// The arena's chunks: copies are cut from one chunk until it is used up; then the chunk is
+/// reused if every copy cut from it was dropped, or a new one is allocated (the old one is
+/// freed with its last copy).
+const ARENA_CHUNK: usize = 16 * 1024;
+
 enum RecvEvent {
     Data(Mem, usize),
-    /// a message copied out of a shared-queue slot (no slot was free to post in its place)
+    /// a message copied out of its slot: a small one (see [`COPY_AT_MOST`]), or one from a
+    /// shared-queue slot when no slot was free to post in its place
     Copied(bytes::Bytes),
     /// a receive failed; `flushed`: only because the QP went to the error state
     Failed {
@@ -841,7 +865,10 @@ impl RdmaConnection {
         let shared = Arc::new(Shared {
             qp,
             cq: Arc::clone(&cq),
-            poll_lock: Mutex::new(Polled::new()),
+            poll_lock: Mutex::new(Poller {
+                polled: Polled::new(),
+                arena: bytes::BytesMut::new(),
+            }),
             recv_tx,
             receiver: OnceLock::new(),
             spin: SpinWindow::new(opts.busy_poll, opts.busy_poll_max),
@@ -1898,7 +1925,12 @@ type Lend<'a> = dyn FnMut(&[u8]) + 'a;
 /// receiver or to `recv_bytes`; or, with `lend` (and no receiver installed), each received
 /// message handed to it borrowed from its slot, which is posted again at once (see
 /// [`RdmaConnection::poll_recv_with`]).
-fn dispatch(shared: &Shared, wcs: &[Wc], mut lend: Option<&mut Lend<'_>>) {
+fn dispatch(
+    shared: &Shared,
+    wcs: &[Wc],
+    arena: &mut bytes::BytesMut,
+    mut lend: Option<&mut Lend<'_>>,
+) {
     if shared.receiver.get().is_some() {
         lend = None;
     }
@@ -1943,7 +1975,7 @@ fn dispatch(shared: &Shared, wcs: &[Wc], mut lend: Option<&mut Lend<'_>>) {
         match wc.kind {
             WrKind::Recv if shared.srq_share.is_some() => {
                 let recv = &shared.srq_share.as_ref().expect("checked").recv;
-                shared.received(srq_received(recv, wc, mem, op));
+                shared.received(srq_received(recv, wc, mem, op, arena));
             }
             WrKind::Recv => {
                 let ev = match (wc.ok(), mem, lend.as_deref_mut()) {
@@ -1952,6 +1984,9 @@ fn dispatch(shared: &Shared, wcs: &[Wc], mut lend: Option<&mut Lend<'_>>) {
                             None => continue,
                             Some(ev) => ev,
                         }
+                    }
+                    (true, Some(Mem::Pool(buf)), None) if wc.byte_len as usize <= COPY_AT_MOST => {
+                        copied(shared, buf, wc.byte_len as usize, arena)
                     }
                     (true, Some(r), _) => RecvEvent::Data(r, wc.byte_len as usize),
                     (true, None, _) => RecvEvent::Failed {
@@ -2019,10 +2054,44 @@ fn lent(shared: &Shared, mut buf: PoolBuf, len: usize, lend: &mut Lend<'_>) -> O
     None
 }
 
+/// Copies the small message received into slot `buf` (`len` bytes, at most [`COPY_AT_MOST`])
+/// into `arena` and posts the same slot again (see [`COPY_AT_MOST`]).
+fn copied(shared: &Shared, mut buf: PoolBuf, len: usize, arena: &mut bytes::BytesMut) -> RecvEvent {
+    if len > buf.len().max(shared.slot_size) {
+        // `take_received` turns it into the error
+        return RecvEvent::Data(Mem::Pool(buf), len);
+    }
+    buf.set_len(len);
+    let data = copy_out(arena, buf.bytes());
+    // a closed connection's slot goes back to the pool instead (its QP flushes what is posted)
+    if shared.check_open().is_ok() {
+        if let Err((e, _)) = shared.qp.post_recv_pool(buf) {
+            shared.close(&format!("re-posting a receive failed: {e}"));
+        }
+    }
+    RecvEvent::Copied(data)
+}
+
+/// `msg` copied into `arena` (see [`ARENA_CHUNK`]).
+fn copy_out(arena: &mut bytes::BytesMut, msg: &[u8]) -> bytes::Bytes {
+    if arena.capacity() < msg.len() {
+        // reclaims the chunk if no copy of it is left, else allocates another
+        arena.reserve(ARENA_CHUNK);
+    }
+    arena.extend_from_slice(msg);
+    arena.split().freeze()
+}
+
 /// A receive of a shared queue completed: a slot goes back to the queue at once (a fresh one,
 /// or this one once its message is copied out), whoever consumes the message, so the queue
 /// always holds every slot of its budget.
-fn srq_received(recv: &SharedRecv, wc: &Wc, mem: Option<Mem>, op: &'static str) -> RecvEvent {
+fn srq_received(
+    recv: &SharedRecv,
+    wc: &Wc,
+    mem: Option<Mem>,
+    op: &'static str,
+    arena: &mut bytes::BytesMut,
+) -> RecvEvent {
     let mut buf = match mem {
         Some(Mem::Pool(buf)) => buf,
         other => {
@@ -2049,6 +2118,11 @@ fn srq_received(recv: &SharedRecv, wc: &Wc, mem: Option<Mem>, op: &'static str) 
     // (a slot's used length is whatever its previous message set: the completion's counts)
     let len = wc.byte_len as usize;
     buf.set_len(len);
+    if len <= COPY_AT_MOST {
+        let data = copy_out(arena, buf.bytes());
+        recv.repost(buf);
+        return RecvEvent::Copied(data);
+    }
     match PoolRegion::lease(&recv.slots, recv.slot_size) {
         Some(fresh) => {
             recv.repost(fresh);

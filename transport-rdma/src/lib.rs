@@ -23,11 +23,14 @@
 //! the receive slots when it is set up, the rendezvous pool on its first rendezvous (so that a
 //! connection that only ever carries small messages costs its receive slots alone):
 //! - the *slot pool* (local access only: no key ever leaves the host): the posted receive slots,
-//!   twice as many buffers as [`RdmaOptions::recv_slots`]. A message is handed up as a view of
-//!   the slot it arrived in (an eager [`rpc_core::Payload`] is a slice of it, no copy) and a
-//!   fresh slot is posted in its place; the slot returns to the pool when the last view is
-//!   dropped. If handlers hold every spare slot, the message is copied and its slot reposted,
-//!   so credits never stall on a handler.
+//!   twice as many buffers as [`RdmaOptions::recv_slots`]. A message of more than 256 bytes is
+//!   handed up as a view of the slot it arrived in (an eager [`rpc_core::Payload`] is a slice
+//!   of it, no copy) and a fresh slot is posted in its place; the slot returns to the pool when
+//!   the last view is dropped. If handlers hold every spare slot, the message is copied and its
+//!   slot reposted, so credits never stall on a handler. A message of at most 256 bytes is
+//!   copied out at once into heap memory shared by many such copies, and its own slot is
+//!   posted again: for so few bytes the copy costs less than a view (a fresh slot leased, an
+//!   owner allocated, the slot's return), and a small message held long pins no slot.
 //! - the *rendezvous pool* ([`RdmaOptions::pool_classes`], 15 MiB by default): sources of
 //!   our pull transfers (an attachment is copied into a pool buffer, unless it already is a
 //!   view of this connection's pool, e.g. a payload received on it and echoed back, which is

@@ -500,6 +500,83 @@ async fn borrowed_receive_reposts_each_slot_in_order() {
     .expect("test timed out");
 }
 
+/// The message `i` of `small_messages_are_copied_and_their_slots_posted_again`: 0 to 256
+/// bytes of a pattern.
+fn small(i: usize) -> Vec<u8> {
+    (0..i % 257).map(|j| pattern(i as u8, j)).collect()
+}
+
+/// A received message of at most 256 bytes is copied out of its slot, and the same slot is
+/// posted again at once: holding every such message received leases no slot at all (with 4
+/// receive slots, 1,200 of them arrive byte-exact and in order), while a longer message is a
+/// view of its slot, which stays out of the pool until the message is dropped.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn small_messages_are_copied_and_their_slots_posted_again() {
+    let (dev, addr) = target(20_037);
+    let opts = RdmaOptions {
+        recv_slots: 4,
+        send_slots: 4,
+        ..RdmaOptions::default()
+    };
+    tokio::time::timeout(LIMIT, async move {
+        let (server, client) = pair(addr, opts).await;
+        let pools = server.pool_monitor();
+        let before = pools.counts();
+        let mut held = Vec::new();
+        // three in flight at a time, against four receive slots
+        for round in 0..400 {
+            for i in 3 * round..3 * round + 3 {
+                client.send(&small(i)).await.expect("send");
+            }
+            for i in 3 * round..3 * round + 3 {
+                let msg = server
+                    .recv_bytes()
+                    .await
+                    .expect("recv_bytes")
+                    .expect("client left early");
+                assert_eq!(&msg[..], &small(i)[..], "message {i}");
+                held.push(msg);
+            }
+        }
+        let c = pools.counts();
+        assert_eq!(
+            (c.leased, c.outstanding(), c.exhausted),
+            (before.leased, before.outstanding(), before.exhausted),
+            "a slot was leased for a small message, or is held by one: {c:?}"
+        );
+        // one byte longer: a view of its slot
+        let long: Vec<u8> = (0..257).map(|j| pattern(9, j)).collect();
+        client.send(&long).await.expect("send");
+        let msg = server
+            .recv_bytes()
+            .await
+            .expect("recv_bytes")
+            .expect("client left early");
+        assert_eq!(&msg[..], &long[..], "the 257-byte message");
+        assert_eq!(
+            pools.counts().outstanding(),
+            before.outstanding() + 1,
+            "the 257-byte message is not a view of its slot"
+        );
+        drop(msg);
+        assert_eq!(
+            pools.counts().outstanding(),
+            before.outstanding(),
+            "the 257-byte message's slot did not go back when the message was dropped"
+        );
+        // the copies outlive the slots they came from
+        for (i, msg) in held.iter().enumerate() {
+            assert_eq!(&msg[..], &small(i)[..], "message {i}, held");
+        }
+        println!(
+            "device {dev}: {} small messages copied out of 4 slots, held to the end",
+            held.len()
+        );
+    })
+    .await
+    .expect("test timed out");
+}
+
 /// A connecting side that has not heard from its peer since the set-up nudges it (an RDMA
 /// WRITE of no bytes) on iWARP, where soft-iWARP can strand a new connection's first messages
 /// until another packet arrives (see `RdmaConnection::nudges`), and never on InfiniBand/RoCE.
