@@ -7,12 +7,13 @@ use std::future::{poll_fn, Future};
 use std::io;
 use std::pin::Pin;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard, Weak};
+use std::sync::{Arc, Weak};
 use std::task::{Context, Poll, Waker};
 use std::time::Duration;
 
 use futures::task::AtomicWaker;
 use futures::{Sink, Stream, StreamExt};
+use parking_lot::{Mutex, MutexGuard};
 use serde::de::DeserializeOwned;
 use serde::Serialize;
 use tokio::time::Instant;
@@ -191,7 +192,7 @@ impl Table {
 
 impl State {
     fn lock(&self) -> MutexGuard<'_, Table> {
-        self.table.lock().expect("calls lock")
+        self.table.lock()
     }
 
     /// Queues a frame for the writer, unless the connection is gone.
@@ -966,7 +967,7 @@ fn with_writer<W, T>(
 where
     W: Unpin,
 {
-    match sink.lock().expect("writer lock").as_mut() {
+    match sink.lock().as_mut() {
         Some(w) => f(Pin::new(w)),
         None => Poll::Ready(Err(released())),
     }
@@ -977,7 +978,7 @@ where
     W: Sink<Message, Error = io::Error> + Send + Unpin,
 {
     fn release(&self) {
-        let writer = self.lock().expect("writer lock").take();
+        let writer = self.lock().take();
         drop(writer);
     }
 
@@ -1189,10 +1190,7 @@ fn take_response(
 /// Completes the call a response answers and wakes its caller. An answer to a call no longer
 /// waiting (cancelled, timed out, the connection closed) is dropped.
 fn answer(table: &Mutex<Table>, msg: Message) {
-    let caller = table
-        .lock()
-        .expect("calls lock")
-        .complete(msg.header.id, Ok(msg));
+    let caller = table.lock().complete(msg.header.id, Ok(msg));
     if let Some(w) = caller {
         w.wake();
     }

@@ -7,7 +7,7 @@ use std::future::Future;
 use std::io;
 use std::panic::AssertUnwindSafe;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex, PoisonError};
+use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::Bytes;
@@ -15,6 +15,7 @@ use std::pin::Pin;
 use std::task::{Context, Poll, Waker};
 
 use futures::{FutureExt, Sink, SinkExt, StreamExt};
+use parking_lot::Mutex;
 use serde::de::DeserializeOwned;
 use serde::Serialize;
 use tokio::sync::{mpsc, Notify};
@@ -450,7 +451,7 @@ where
                 Step::Slow(msg) => return Box::pin(self.on_request(msg)).await,
             },
             Kind::Cancel => {
-                if let Some(h) = self.running.calls.lock().expect("calls lock").remove(&id) {
+                if let Some(h) = self.running.calls.lock().remove(&id) {
                     tracing::debug!(id, "call cancelled by the client");
                     h.abort();
                 }
@@ -518,13 +519,7 @@ where
                 .await?;
             return Ok(Flow::Continue);
         };
-        if self
-            .running
-            .calls
-            .lock()
-            .expect("calls lock")
-            .contains_key(&id)
-        {
+        if self.running.calls.lock().contains_key(&id) {
             tracing::warn!(id, "duplicate request id from client");
             let text = "a call with this request id is already running";
             self.refuse(id, ServerErrorKind::BadRequest, text).await?;
@@ -628,7 +623,7 @@ impl Handlers {
     /// Whether call `id` has a handler running in a task of its own (a duplicate request id).
     /// Only those are in `calls`; with none running there is no lock to take.
     fn has(&self, id: u64) -> bool {
-        !self.tracker.is_empty() && self.calls.lock().expect("calls lock").contains_key(&id)
+        !self.tracker.is_empty() && self.calls.lock().contains_key(&id)
     }
 
     fn spawn<F>(&self, work: Inline<F>, call: Call, slot: Slot)
@@ -648,7 +643,7 @@ impl Handlers {
         );
         // The task removes itself from `calls` under this lock, so it cannot finish before
         // its abort handle is in the table.
-        let mut table = self.calls.lock().expect("calls lock");
+        let mut table = self.calls.lock();
         let span = tracing::debug_span!("handler", method = name, id);
         let handle = self.tracker.spawn(task.instrument(span));
         table.insert(id, handle.abort_handle());
@@ -743,7 +738,7 @@ where
         if msg.header.kind != Kind::Request {
             return Some(msg);
         }
-        let mut gate = self.gate.lock().unwrap_or_else(PoisonError::into_inner);
+        let mut gate = self.gate.lock();
         if !gate.open || self.ctx.shutting_down.load(Ordering::Relaxed) || !self.sender.ready() {
             return Some(msg);
         }
@@ -781,10 +776,7 @@ where
 impl<S, H, F> FastPath<S, H, F> {
     /// Takes no more requests; waits for one being taken now to be done.
     fn close(&self) {
-        self.gate
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .open = false;
+        self.gate.lock().open = false;
     }
 }
 
@@ -1036,14 +1028,7 @@ async fn serve_connection<T: Transport, S: Service>(
         fast.close();
     }
     // The peer is gone or we are done: stop whatever still runs for it.
-    let left: Vec<AbortHandle> = conn
-        .running
-        .calls
-        .lock()
-        .expect("calls lock")
-        .drain()
-        .map(|(_, h)| h)
-        .collect();
+    let left: Vec<AbortHandle> = conn.running.calls.lock().drain().map(|(_, h)| h).collect();
     if !left.is_empty() {
         tracing::debug!(calls = left.len(), "aborting calls of a closed connection");
     }
@@ -1178,7 +1163,7 @@ async fn run_call<F: Future<Output = Result<Reply, ServerError>>>(
         },
     };
     // Still in the table means nobody cancelled the call: answer it.
-    if calls.lock().expect("calls lock").remove(&id).is_some() {
+    if calls.lock().remove(&id).is_some() {
         let _ = outbox.send(reply_message(id, name, outcome));
     }
 }

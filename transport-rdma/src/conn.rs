@@ -4,9 +4,10 @@
 use std::collections::HashMap;
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, OnceLock, Weak};
+use std::sync::{Arc, OnceLock, Weak};
 use std::time::{Duration, Instant};
 
+use parking_lot::{Mutex, MutexGuard};
 use tokio::io::unix::AsyncFd;
 use tokio::sync::{mpsc, oneshot, Semaphore};
 use tokio::task::JoinHandle;
@@ -40,8 +41,8 @@ fn kind_of(t: Transport) -> TransportKind {
     }
 }
 
-fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|p| p.into_inner())
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock()
 }
 
 /// Waits for the next event on an id's route, with a deadline.
@@ -453,12 +454,8 @@ impl Shared {
     }
 
     /// The poll lock, unless another task holds it.
-    fn try_poll_lock(&self) -> Option<std::sync::MutexGuard<'_, Poller>> {
-        match self.poll_lock.try_lock() {
-            Ok(g) => Some(g),
-            Err(std::sync::TryLockError::Poisoned(p)) => Some(p.into_inner()),
-            Err(std::sync::TryLockError::WouldBlock) => None,
-        }
+    fn try_poll_lock(&self) -> Option<MutexGuard<'_, Poller>> {
+        self.poll_lock.try_lock()
     }
 
     /// Polls the CQ under the poll lock (`polled`) and dispatches what it finds, received

@@ -8,8 +8,10 @@
 //! reader alone (callgrind in the guest, 2026-12-01; see docs/latency.md, item 17).
 
 use std::collections::VecDeque;
-use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+use std::sync::Arc;
 use std::task::{Context, Poll, Waker};
+
+use parking_lot::{Mutex, MutexGuard};
 
 struct State<T> {
     queue: VecDeque<T>,
@@ -25,9 +27,9 @@ struct Shared<T>(Mutex<State<T>>);
 
 impl<T> Shared<T> {
     fn lock(&self) -> MutexGuard<'_, State<T>> {
-        // Nothing here panics while holding the lock; if something did, the queue is still
-        // consistent (every change is one call on it).
-        self.0.lock().unwrap_or_else(PoisonError::into_inner)
+        // (no poisoning: nothing here panics while holding the lock, and if something did, the
+        // queue would still be consistent, every change being one call on it)
+        self.0.lock()
     }
 }
 

@@ -43,12 +43,13 @@ use std::io;
 use std::net::SocketAddr;
 use std::pin::Pin;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex, OnceLock};
+use std::sync::{Arc, OnceLock};
 use std::task::{Context, Poll};
 
 use bytes::BytesMut;
 use futures::channel::mpsc as fmpsc;
 use futures::{ready, SinkExt, Stream, StreamExt};
+use parking_lot::{Mutex, MutexGuard};
 use rpc_core::ids::IdMap;
 use rpc_core::rendezvous::{
     refuse, Credits, Direction, Incoming, Packet, Plan, Segment, Transfers, PACKET_HEADER_LEN,
@@ -854,8 +855,8 @@ fn encode_eager<B: bytes::BufMut>(out: &mut B, credits: u16, msgs: &[Message]) {
     }
 }
 
-fn lock(m: &Mutex<Proto>) -> std::sync::MutexGuard<'_, Proto> {
-    m.lock().unwrap_or_else(|p| p.into_inner())
+fn lock(m: &Mutex<Proto>) -> MutexGuard<'_, Proto> {
+    m.lock()
 }
 
 impl Engine {
@@ -1435,8 +1436,8 @@ impl Inbound {
     }
 }
 
-fn lock_inbound(m: &Mutex<Inbound>) -> std::sync::MutexGuard<'_, Inbound> {
-    m.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+fn lock_inbound(m: &Mutex<Inbound>) -> MutexGuard<'_, Inbound> {
+    m.lock()
 }
 
 /// Handles one received packet; `Err` ends the connection.

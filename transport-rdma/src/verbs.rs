@@ -39,9 +39,10 @@ use std::net::SocketAddr;
 use std::os::fd::{AsRawFd, RawFd};
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::ptr::NonNull;
-use std::sync::{Arc, Mutex, OnceLock, Weak};
+use std::sync::{Arc, OnceLock, Weak};
 use std::time::Duration;
 
+use parking_lot::{Mutex, MutexGuard};
 use rdma_mummy_sys::{
     ibv_access_flags, ibv_get_device_name, ibv_modify_qp, ibv_qp, ibv_qp_attr, ibv_qp_attr_mask,
     ibv_qp_cap, ibv_qp_init_attr, ibv_qp_state, ibv_qp_type, ibv_query_qp, ibv_recv_wr,
@@ -268,8 +269,8 @@ impl OsAddr {
     }
 }
 
-fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|p| p.into_inner())
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock()
 }
 
 impl CmChannel {
@@ -1621,10 +1622,7 @@ impl Srq {
 
     /// Receives posted and not yet completed.
     pub(crate) fn posted(&self) -> usize {
-        self.inflight
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .len()
+        self.inflight.lock().len()
     }
 
     /// Posts a receive into the whole of pool buffer `buf` (registered on this SRQ's PD), which
