@@ -1729,20 +1729,23 @@ async fn drive(
         let mut last = shared.spin.now();
         // when this burst of polling began
         let mut burst_from = last;
+        // when the connection's rdma_cm events were last looked at (see `CM_LOOK`)
+        let mut cm_looked = last;
         loop {
             match shared.poll_once(true) {
                 Ok(0) => {}
                 Ok(_) => last = shared.spin.now(),
                 Err(_) => return,
             }
-            if cm_open {
+            let now = shared.spin.now();
+            if cm_open && now.saturating_sub(cm_looked) >= CM_LOOK {
+                cm_looked = now;
                 match cm_rx.try_recv() {
                     Ok(ev) => on_cm_event(&shared, ev),
                     Err(mpsc::error::TryRecvError::Empty) => {}
                     Err(mpsc::error::TryRecvError::Disconnected) => cm_open = false,
                 }
             }
-            let now = shared.spin.now();
             let since = now.saturating_sub(last.max(shared.spin.last_by_caller()));
             if Duration::from_nanos(since) >= shared.spin.window() {
                 break;
@@ -1784,6 +1787,12 @@ async fn drive(
         }
     }
 }
+
+/// How often (nanoseconds) a completion driver that keeps polling looks at its connection's
+/// rdma_cm events: every millisecond, not on every poll, which would put the event channel's
+/// code on every call's path (a driver that sleeps wakes for them at once). A disconnection
+/// shows on the CQ first anyway (the QP's error state flushes what is posted).
+const CM_LOOK: u64 = 1_000_000;
 
 /// How long a connecting side on iWARP waits to hear from its peer after the set-up before it
 /// first nudges it ([`nudge_until_heard`]); each further wait doubles, up to [`NUDGE_MAX`].
