@@ -1986,13 +1986,16 @@ fn dispatch(
             WrKind::Recv => {
                 let ev = match (wc.ok(), mem, lend.as_deref_mut()) {
                     (true, Some(Mem::Pool(buf)), Some(lend)) => {
-                        match lent(shared, buf, wc.byte_len as usize, lend) {
-                            None => continue,
-                            Some(ev) => ev,
+                        match in_place(shared, buf, wc.byte_len as usize, lend) {
+                            Ok(()) => continue,
+                            Err(ev) => ev,
                         }
                     }
                     (true, Some(Mem::Pool(buf)), None) if wc.byte_len as usize <= COPY_AT_MOST => {
-                        copied(shared, buf, wc.byte_len as usize, arena)
+                        in_place(shared, buf, wc.byte_len as usize, |msg| {
+                            RecvEvent::Copied(copy_out(arena, msg))
+                        })
+                        .unwrap_or_else(|ev| ev)
                     }
                     (true, Some(r), _) => RecvEvent::Data(r, wc.byte_len as usize),
                     (true, None, _) => RecvEvent::Failed {
@@ -2041,41 +2044,30 @@ fn dispatch(
     }
 }
 
-/// Hands the message received into slot `buf` (`len` bytes) to `lend`, borrowed, and posts the
-/// same slot again: no fresh slot leased and no owner made for the message. `Some` if the
-/// message cannot be lent (a completion longer than its slot): the event to queue instead.
-fn lent(shared: &Shared, mut buf: PoolBuf, len: usize, lend: &mut Lend<'_>) -> Option<RecvEvent> {
+/// Hands the message received into slot `buf` (`len` bytes) to `take`, borrowed, and posts the
+/// same slot again (a closed connection's goes back to the pool instead: its QP flushes what is
+/// posted): no fresh slot leased and no owner made for the message. What `take` returned, or,
+/// if the message cannot be taken so (a completion longer than its slot), the event to queue
+/// instead. Lends to `poll_recv_with`'s callers, and copies out small messages (see
+/// [`COPY_AT_MOST`]).
+fn in_place<R>(
+    shared: &Shared,
+    mut buf: PoolBuf,
+    len: usize,
+    take: impl FnOnce(&[u8]) -> R,
+) -> Result<R, RecvEvent> {
     if len > buf.len().max(shared.slot_size) {
         // `take_received` turns it into the error
-        return Some(RecvEvent::Data(Mem::Pool(buf), len));
+        return Err(RecvEvent::Data(Mem::Pool(buf), len));
     }
     buf.set_len(len);
-    lend(buf.bytes());
-    // a closed connection's slot goes back to the pool instead (its QP flushes what is posted)
+    let taken = take(buf.bytes());
     if shared.check_open().is_ok() {
         if let Err((e, _)) = shared.qp.post_recv_pool(buf) {
             shared.close(&format!("re-posting a receive failed: {e}"));
         }
     }
-    None
-}
-
-/// Copies the small message received into slot `buf` (`len` bytes, at most [`COPY_AT_MOST`])
-/// into `arena` and posts the same slot again (see [`COPY_AT_MOST`]).
-fn copied(shared: &Shared, mut buf: PoolBuf, len: usize, arena: &mut bytes::BytesMut) -> RecvEvent {
-    if len > buf.len().max(shared.slot_size) {
-        // `take_received` turns it into the error
-        return RecvEvent::Data(Mem::Pool(buf), len);
-    }
-    buf.set_len(len);
-    let data = copy_out(arena, buf.bytes());
-    // a closed connection's slot goes back to the pool instead (its QP flushes what is posted)
-    if shared.check_open().is_ok() {
-        if let Err((e, _)) = shared.qp.post_recv_pool(buf) {
-            shared.close(&format!("re-posting a receive failed: {e}"));
-        }
-    }
-    RecvEvent::Copied(data)
+    Ok(taken)
 }
 
 /// `msg` copied into `arena` (see [`ARENA_CHUNK`]).
