@@ -18,6 +18,18 @@ cd "$(dirname "${BASH_SOURCE[0]}")/.."
 T0=$(date +%s)
 stage() { echo; echo "==== [$(( $(date +%s) - T0 ))s] $*"; }
 
+# A one-shot run has no use for incremental compilation's caches (about 2 GB of the debug target).
+export CARGO_INCREMENTAL="${CARGO_INCREMENTAL:-0}"
+
+stage "disk"
+# A full run writes about 6 GB (the targets, the guest image, the fuzz corpus). A machine with less
+# free space fails part-way with the linker's "Bus error" or "No space left on device"; say so first.
+df -h . | sed 's/^/  /'
+avail_kb=$(df -Pk . | awk 'NR==2 {print $4}')
+if [ "${avail_kb:-0}" -lt $((8 * 1024 * 1024)) ]; then
+  echo "test.sh: WARNING: $((avail_kb / 1024)) MiB free here; a full run needs about 6 GB (8 GB to be safe)." >&2
+fi
+
 stage "build dependencies"
 bash scripts/install-build-deps.sh
 command -v cargo >/dev/null || { echo "test.sh: cargo not found (install Rust with rustup)" >&2; exit 1; }
