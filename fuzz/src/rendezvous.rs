@@ -8,7 +8,8 @@
 //! side starts pull and push transfers, completes reads, and returns credits.
 //!
 //! Checks: no panic; `parse` of a well-formed encoding gives back what was encoded, of a
-//! malformed one an error; every `Transfers`/`Credits` answer is what the reference model
+//! malformed one an error; `peek_eager` reads exactly the eager packets `parse` reads, as the
+//! same frames; every `Transfers`/`Credits` answer is what the reference model
 //! says (a forged or stale id is an error, never a panic, and changes nothing); a protocol
 //! violation ends the connection, and then (and at the end of the input) `drain()` returns
 //! exactly the buffers the model says are still held: none lost, none duplicated, none that
@@ -550,7 +551,31 @@ impl End {
 
     /// A packet arrives from the peer. `Err`: the connection ends.
     fn receive(&mut self, slot: Bytes) -> Result<(), ProtocolViolation> {
-        let (packet, credits) = Packet::parse(slot, &self.limits)?;
+        // The in-place read (a lone caller's lent answer) agrees with `parse` on every packet:
+        // the same eager frames, and nothing `parse` refuses.
+        let peeked = Packet::peek_eager(&slot, &self.limits).map(|e| {
+            (
+                e.frame.header,
+                e.frame.body.to_vec(),
+                e.frame.to_attachments(),
+                e.credits,
+            )
+        });
+        let parsed = Packet::parse(slot, &self.limits);
+        match (&peeked, &parsed) {
+            (Some((header, body, attachments, c)), Ok((Packet::Eager(m), credits))) => {
+                assert_eq!(
+                    (header, &body[..], attachments, c),
+                    (&m.header, &m.body[..], &m.attachments, credits)
+                );
+            }
+            (Some(p), other) => panic!("peek_eager read {p:?}, parse gave {other:?}"),
+            (None, Ok((Packet::Eager(m), _))) => {
+                panic!("parse read an eager {m:?} that peek_eager did not")
+            }
+            (None, _) => {}
+        }
+        let (packet, credits) = parsed?;
         let r = self.credits.on_receive(credits);
         // Two ways to break the credit rule, both `NoCredit` ("the peer sent more than its
         // credits allow"): returning more credits than we have slots, or sending a packet

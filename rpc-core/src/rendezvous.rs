@@ -50,7 +50,7 @@ use std::collections::HashMap;
 
 use bytes::{Buf, BufMut, Bytes, BytesMut};
 
-use crate::wire::{Attachments, FrameError, Limits, Message, WireHeader, HEADER_LEN};
+use crate::wire::{Attachments, FrameError, FrameRef, Limits, Message, WireHeader, HEADER_LEN};
 
 /// Size of the packet header.
 pub const PACKET_HEADER_LEN: usize = 16;
@@ -389,6 +389,45 @@ impl Packet {
         };
         Ok((packet, credits))
     }
+
+    /// Reads a received slot in place, without copying or taking ownership of it, if it holds
+    /// the most common packet: an eager packet of one frame (a small call's request or
+    /// answer). Returns that frame, borrowed from `slot`, the credits the packet returns, and
+    /// whether it carries [`Packet::mark_starved`]'s mark. `None` for anything else, a
+    /// malformed packet included: [`Packet::parse`] then handles it (and refuses what is
+    /// malformed), so a caller that falls back to it loses nothing. What this accepts, `parse`
+    /// accepts as [`Packet::Eager`] with the same header, body and attachments.
+    pub fn peek_eager<'s>(slot: &'s [u8], limits: &Limits) -> Option<Eager<'s>> {
+        let (head, frame) = slot.split_first_chunk::<PACKET_HEADER_LEN>()?;
+        // type, flags, credits, count (unused by eager packets), id (unused)
+        if head[0] != T_EAGER
+            || u32::from_le_bytes([head[4], head[5], head[6], head[7]])
+                > limits.max_attachments as u32
+        {
+            return None;
+        }
+        let (raw, rest) = frame.split_first_chunk::<HEADER_LEN>()?;
+        let wire = WireHeader::parse(raw, limits).ok()?;
+        if wire.len != rest.len() as u64 {
+            return None;
+        }
+        Some(Eager {
+            frame: wire.split_ref(rest).ok()?,
+            credits: u16::from_le_bytes([head[2], head[3]]),
+            starved: head[1] & FLAG_STARVED != 0,
+        })
+    }
+}
+
+/// A small eager packet read in place by [`Packet::peek_eager`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Eager<'s> {
+    /// Its frame, borrowed from the slot.
+    pub frame: FrameRef<'s>,
+    /// The credits the packet returns.
+    pub credits: u16,
+    /// Whether the sender was starved of credits ([`Packet::mark_starved`]).
+    pub starved: bool,
 }
 
 /// The `n` frames of an eager batch, which must fill `slot` exactly.

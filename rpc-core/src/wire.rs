@@ -349,6 +349,70 @@ impl WireHeader {
     }
 }
 
+impl WireHeader {
+    /// Reads a complete frame's bytes after the fixed header (`rest`, exactly `len` long) in
+    /// place, as [`split`](Self::split) splits them: the same checks, nothing copied.
+    pub fn split_ref<'a>(&self, rest: &'a [u8]) -> Result<FrameRef<'a>, FrameError> {
+        debug_assert_eq!(rest.len() as u64, self.len);
+        let bad = || FrameError::BadLengths {
+            id: self.header.id,
+            len: self.len,
+        };
+        let (table, rest) = rest
+            .split_at_checked(8 * self.n_attach as usize)
+            .ok_or_else(bad)?;
+        let mut total: u64 = 0;
+        for c in table.chunks_exact(8) {
+            let l = u64::from_le_bytes(c.try_into().expect("chunks of 8"));
+            total = total
+                .checked_add(l)
+                .filter(|t| *t <= rest.len() as u64)
+                .ok_or_else(bad)?;
+        }
+        let (body, data) = rest.split_at(rest.len() - total as usize);
+        Ok(FrameRef {
+            header: self.header,
+            body,
+            table,
+            data,
+        })
+    }
+}
+
+/// A complete frame read in place from the buffer it borrows (a receive slot, say), checked
+/// as a [`Message`] decoded from it would be ([`WireHeader::split_ref`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct FrameRef<'a> {
+    /// The frame's header.
+    pub header: Header,
+    /// Its body.
+    pub body: &'a [u8],
+    /// its attachments' lengths (8 bytes each, little-endian), checked against `data`
+    table: &'a [u8],
+    /// its attachments, one after the other
+    data: &'a [u8],
+}
+
+impl<'a> FrameRef<'a> {
+    /// Its attachments, in order, borrowed.
+    pub fn attachments(&self) -> impl Iterator<Item = &'a [u8]> + 'a {
+        let mut data = self.data;
+        self.table.chunks_exact(8).map(move |c| {
+            let l = u64::from_le_bytes(c.try_into().expect("chunks of 8")) as usize;
+            let (a, rest) = data.split_at(l);
+            data = rest;
+            a
+        })
+    }
+
+    /// Its attachments copied into payloads of their own (an empty one allocates nothing).
+    pub fn to_attachments(&self) -> Attachments {
+        self.attachments()
+            .map(|a| Payload::from(Bytes::copy_from_slice(a)))
+            .collect()
+    }
+}
+
 /// `tokio_util` codec for frames: decodes into [`Message`]s that share the read buffer (no copy),
 /// refuses oversized frames before reserving memory, and encodes by copying into the write
 /// buffer (transports that want zero-copy for large attachments write them separately).

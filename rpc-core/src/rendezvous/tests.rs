@@ -116,6 +116,64 @@ fn eager_batch_lies_are_violations() {
     );
 }
 
+/// The in-place read of an eager packet gives its frame (header, body, attachments) and
+/// credits; it leaves every other packet (batches, control packets, anything malformed) to
+/// `parse`.
+#[test]
+fn eager_packets_are_read_in_place() {
+    let m = msg(41, b"answer", &[]);
+    let mut b = BytesMut::new();
+    Packet::encode_eager(&mut b, 6, &m);
+    let e = Packet::peek_eager(&b, &limits()).expect("an eager packet");
+    assert_eq!(e.frame.header, m.header);
+    assert_eq!(e.frame.body, b"answer");
+    assert_eq!(e.frame.attachments().count(), 0);
+    assert_eq!(e.credits, 6);
+    assert!(!e.starved);
+    Packet::mark_starved(&mut b);
+    assert!(Packet::peek_eager(&b, &limits()).unwrap().starved);
+
+    let m = msg(7, b"x", &[3, 0, 5]);
+    let mut att = BytesMut::new();
+    Packet::encode_eager(&mut att, 1, &m);
+    let e = Packet::peek_eager(&att, &limits()).expect("an eager packet with attachments");
+    assert_eq!(e.frame.body, b"x");
+    let lent: Vec<&[u8]> = e.frame.attachments().collect();
+    let sent: Vec<&[u8]> = m.attachments.iter().map(|a| &a[..]).collect();
+    assert_eq!(lent, sent);
+    assert_eq!(e.frame.to_attachments(), m.attachments, "copied out whole");
+
+    // not read in place: a batch, a control packet
+    let mut batch = BytesMut::new();
+    Packet::encode_eager_batch(&mut batch, 1, &[msg(1, b"x", &[])]);
+    assert_eq!(Packet::peek_eager(&batch, &limits()), None);
+    let mut credit = BytesMut::new();
+    Packet::encode_control(&mut credit, 2, &Packet::Credit);
+    assert_eq!(Packet::peek_eager(&credit, &limits()), None);
+    // malformed: cut short, a byte too many, a bad magic, a body over the limit, attachments
+    // longer than the frame
+    let mut good = BytesMut::new();
+    Packet::encode_eager(&mut good, 1, &msg(1, &[7; 40], &[2]));
+    assert!(Packet::peek_eager(&good[..good.len() - 1], &limits()).is_none());
+    let mut long = good.clone();
+    long.extend_from_slice(&[0]);
+    assert!(Packet::peek_eager(&long, &limits()).is_none());
+    let mut magic = good.clone();
+    magic[PACKET_HEADER_LEN] = b'X';
+    assert!(Packet::peek_eager(&magic, &limits()).is_none());
+    let small = Limits {
+        max_message_size: 10,
+        max_attachments: 16,
+    };
+    assert!(Packet::peek_eager(&good, &small).is_none());
+    let mut lie = good.clone();
+    let table = PACKET_HEADER_LEN + HEADER_LEN;
+    lie[table..table + 8].copy_from_slice(&1000u64.to_le_bytes());
+    assert!(Packet::peek_eager(&lie, &limits()).is_none());
+    assert!(parse(lie).is_err(), "and parse refuses it too");
+    assert!(Packet::peek_eager(&good[..3], &limits()).is_none());
+}
+
 #[test]
 fn pull_rts_round_trip_and_mismatches() {
     let m = msg(2, b"body", &[100, 200]);
@@ -733,6 +791,41 @@ mod props {
         #[test]
         fn arbitrary_slots_never_panic(bytes in proptest::collection::vec(any::<u8>(), 0..400)) {
             let _ = Packet::parse(Bytes::from(bytes), &limits());
+        }
+
+        /// Whatever `peek_eager` reads in place, `parse` reads as the same eager frame, for
+        /// packets with one byte changed anywhere (the header's counts, lengths, kind, the
+        /// attachment table).
+        #[test]
+        fn peek_agrees_with_parse(
+            body in proptest::collection::vec(any::<u8>(), 0..64),
+            atts in proptest::collection::vec(0usize..40, 0..3),
+            at in 0usize..300,
+            to in any::<u8>(),
+            starved in any::<bool>(),
+        ) {
+            let mut b = BytesMut::new();
+            Packet::encode_eager(&mut b, 3, &msg(9, &body, &atts));
+            if starved {
+                Packet::mark_starved(&mut b);
+            }
+            let at = at % b.len();
+            b[at] = to;
+            let slot = b.freeze();
+            if let Some(e) = Packet::peek_eager(&slot, &limits()) {
+                let (packet, credits) = Packet::parse(slot.clone(), &limits())
+                    .expect("what peek reads, parse reads");
+                let Packet::Eager(m) = packet else {
+                    panic!("peek read a packet that parse does not call eager: {packet:?}");
+                };
+                prop_assert_eq!(e.frame.header, m.header);
+                prop_assert_eq!(e.frame.body, &m.body[..]);
+                prop_assert_eq!(e.frame.to_attachments(), m.attachments);
+                prop_assert_eq!(e.credits, credits);
+                prop_assert_eq!(e.starved, Packet::is_starved(&slot));
+            } else if let Ok((Packet::Eager(m), _)) = Packet::parse(slot.clone(), &limits()) {
+                panic!("parse read an eager packet that peek did not: {m:?}");
+            }
         }
     }
 }
