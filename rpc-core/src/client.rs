@@ -5,6 +5,7 @@ use std::collections::VecDeque;
 use std::fmt;
 use std::future::{poll_fn, Future};
 use std::io;
+use std::marker::PhantomData;
 use std::pin::Pin;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Weak};
@@ -25,7 +26,7 @@ use crate::conn::{encode_body, KeepAlive, Tick};
 use crate::payload::{with_attachments, PayloadMemory, PayloadMut};
 use crate::permits::{Permit, Permits, TryAcquireError};
 use crate::transport::{DirectSend, ResponseShortcut, Transport};
-use crate::wire::{Attachments, Header, Kind, Message};
+use crate::wire::{Attachments, FrameRef, Header, Kind, Message};
 use crate::{Config, RpcError, ServerError, ServerErrorKind};
 
 /// State shared by the call futures and the connection's reader and writer tasks.
@@ -143,6 +144,17 @@ impl Table {
             g => g,
         };
         self.free.push(index);
+    }
+
+    /// Frees call `id`'s slot after its caller took the answer itself, where the transport
+    /// received it ([`DirectSend::progress_with`]).
+    fn taken(&mut self, id: u64) {
+        let Some(slot) = self.slot(id) else { return };
+        // (a connection closed meanwhile counted it out already)
+        if matches!(slot.state, SlotState::Waiting(_)) {
+            self.waiting -= 1;
+        }
+        self.release(id);
     }
 
     /// Records call `id`'s outcome; returns the waker to wake (outside the lock). An answer
@@ -538,8 +550,7 @@ impl Client {
                     Box::pin(wait_for_credit(&state.credits, deadline)).await?
                 }
             };
-            let reply = start(state, msg, deadline).await?;
-            decode_reply::<C, R>(reply)
+            start::<C, R>(state, msg, deadline).await
         }
         .instrument(span)
     }
@@ -599,8 +610,13 @@ async fn wait_for_credit(
 }
 
 /// A call of `msg`: the returned future registers it and queues it for the writer when first
-/// polled (one lock for both, with the caller's waker), then waits for the answer.
-fn start(state: &State, mut msg: Message, deadline: Option<Instant>) -> Answer<'_> {
+/// polled (one lock for both, with the caller's waker), then waits for the answer and decodes
+/// it with `C` as an `R`.
+fn start<C: Codec, R: DeserializeOwned>(
+    state: &State,
+    mut msg: Message,
+    deadline: Option<Instant>,
+) -> Answer<'_, C, R> {
     if let Some(d) = deadline {
         let left = d.saturating_duration_since(Instant::now()).as_micros();
         // 0 means "no deadline" on the wire; an already-expired call still says 1 µs.
@@ -613,14 +629,19 @@ fn start(state: &State, mut msg: Message, deadline: Option<Instant>) -> Answer<'
         done: false,
         spin: SpinState::default(),
         deadline: deadline.map(tokio::time::sleep_until),
+        decode: PhantomData,
     }
 }
 
 /// Sends its call when first polled, then waits in the call's slot for the answer, failing with
-/// `DeadlineExceeded` at `deadline`. Dropped (or timed out) before the answer came, it frees
-/// the slot and tells the server to stop the handler.
+/// `DeadlineExceeded` at `deadline`, and decodes it with `C` as an `R`. Dropped (or timed out)
+/// before the answer came, it frees the slot and tells the server to stop the handler.
+///
+/// A lone call's caller that receives for itself (see [`SpinState`]) decodes a small answer
+/// where the transport received it, borrowed ([`DirectSend::progress_with`]): the answer then
+/// never passes through the call's slot.
 #[pin_project::pin_project(PinnedDrop)]
-struct Answer<'a> {
+struct Answer<'a, C, R> {
     state: &'a State,
     /// The request, until the first poll sends it.
     unsent: Option<Message>,
@@ -631,10 +652,11 @@ struct Answer<'a> {
     spin: SpinState,
     #[pin]
     deadline: Option<tokio::time::Sleep>,
+    decode: PhantomData<fn() -> (C, R)>,
 }
 
-impl Future for Answer<'_> {
-    type Output = Result<Message, RpcError>;
+impl<C: Codec, R: DeserializeOwned> Future for Answer<'_, C, R> {
+    type Output = Result<R, RpcError>;
 
     fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
         let this = self.project();
@@ -693,7 +715,7 @@ impl Future for Answer<'_> {
                         let SlotState::Done(outcome) = outcome else {
                             unreachable!("matched above")
                         };
-                        return Poll::Ready(outcome);
+                        return Poll::Ready(outcome.and_then(decode_reply::<C, R>));
                     }
                     SlotState::Free => unreachable!("a call owns its slot until it ends"),
                 }
@@ -708,9 +730,20 @@ impl Future for Answer<'_> {
                     let Poll::Ready(coop) = tokio::task::coop::poll_proceed(cx) else {
                         break;
                     };
-                    match this.spin.burst(&**direct) {
+                    // a small answer found in the burst is decoded where it was received
+                    let mut taken = None;
+                    let mut take = |f: &FrameRef<'_>| {
+                        taken = Some(decode_answer::<C, R>(&f.header, f.body, f.to_attachments()));
+                    };
+                    match this.spin.burst(&**direct, id, &mut take) {
                         Spin::Found => {
                             coop.made_progress();
+                            if let Some(answer) = taken {
+                                this.state.lock().taken(id);
+                                this.state.shortcut_answers.fetch_add(1, Ordering::Relaxed);
+                                *this.done = true;
+                                return Poll::Ready(answer);
+                            }
                             continue;
                         }
                         Spin::Turn => turn = true,
@@ -794,8 +827,14 @@ thread_local! {
 }
 
 impl SpinState {
-    /// One burst of receiving, after counting the caller in on this thread.
-    fn burst(&mut self, direct: &dyn DirectSend) -> Spin {
+    /// One burst of receiving for the answer to call `id` (see
+    /// [`DirectSend::progress_with`]), after counting the caller in on this thread.
+    fn burst(
+        &mut self,
+        direct: &dyn DirectSend,
+        id: u64,
+        take: &mut dyn FnMut(&FrameRef<'_>),
+    ) -> Spin {
         if self.over {
             return Spin::Off;
         }
@@ -830,7 +869,7 @@ impl SpinState {
         loop {
             // a clock read costs as much as a few polls: look at it every few
             for _ in 0..8 {
-                if direct.progress() {
+                if direct.progress_with(id, take) {
                     return Spin::Found;
                 }
             }
@@ -854,7 +893,7 @@ impl Drop for SpinState {
 }
 
 #[pin_project::pinned_drop]
-impl PinnedDrop for Answer<'_> {
+impl<C, R> PinnedDrop for Answer<'_, C, R> {
     fn drop(self: Pin<&mut Self>) {
         if !self.done && self.unsent.is_none() {
             cancel(self.state, self.id);
@@ -884,9 +923,18 @@ fn cancel(state: &State, id: u64) {
 }
 
 fn decode_reply<C: Codec, R: DeserializeOwned>(reply: Message) -> Result<R, RpcError> {
-    match reply.header.aux {
-        0 => with_attachments(reply.attachments, || C::decode::<R>(&reply.body))
-            .map_err(RpcError::Codec),
+    decode_answer::<C, R>(&reply.header, &reply.body, reply.attachments)
+}
+
+/// Decodes an answer of header `header`, body `body` and `attachments`: the result, or the
+/// server's error.
+fn decode_answer<C: Codec, R: DeserializeOwned>(
+    header: &Header,
+    body: &[u8],
+    attachments: Attachments,
+) -> Result<R, RpcError> {
+    match header.aux {
+        0 => with_attachments(attachments, || C::decode::<R>(body)).map_err(RpcError::Codec),
         code => {
             let kind = ServerErrorKind::from_code(code);
             if kind == ServerErrorKind::DeadlineExceeded {
@@ -894,7 +942,7 @@ fn decode_reply<C: Codec, R: DeserializeOwned>(reply: Message) -> Result<R, RpcE
             }
             Err(RpcError::Server(ServerError::new(
                 kind,
-                String::from_utf8_lossy(&reply.body).into_owned(),
+                String::from_utf8_lossy(body).into_owned(),
             )))
         }
     }

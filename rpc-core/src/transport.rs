@@ -31,7 +31,7 @@ use std::time::Duration;
 use futures::{Sink, Stream};
 
 use crate::payload::PayloadMemory;
-use crate::wire::Message;
+use crate::wire::{FrameRef, Message};
 
 /// One established connection of some transport.
 pub trait Transport: Send + 'static {
@@ -131,6 +131,20 @@ pub trait DirectSend: Send + Sync + 'static {
     /// if another task is receiving. The default finds nothing.
     fn progress(&self) -> bool {
         false
+    }
+
+    /// As [`progress`](Self::progress), but the answer to call `id`, if it arrives now as a
+    /// small message, goes to `take` *borrowed* from the transport's receive buffer instead of
+    /// through the [`ResponseShortcut`]: the caller decodes it there, with no [`Message`] made
+    /// for it. `take` is called at most once, only for a [`Kind::Response`] with that id, and
+    /// that answer is then consumed (it reaches neither the shortcut nor the reader);
+    /// everything else received in the same poll goes on as in `progress`. Whether anything
+    /// was found. The default is `progress`, which never calls `take`.
+    ///
+    /// [`Kind::Response`]: crate::wire::Kind::Response
+    fn progress_with(&self, id: u64, take: &mut dyn FnMut(&FrameRef<'_>)) -> bool {
+        let _ = (id, take);
+        self.progress()
     }
 }
 

@@ -11,6 +11,10 @@
 //! receiving to the transport while another connection's lone call waits on its thread, and
 //! on a multi-thread runtime. It spins in bursts of the transport's length
 //! ([`DirectSend::spin_burst`]), letting the runtime's other tasks run between them.
+//!
+//! Like the RDMA transport, the fake lends an answer to the caller that polls for it
+//! ([`DirectSend::progress_with`]): the caller decodes it borrowed, and it never reaches the
+//! shortcut. Every answer of a fake that does not lend goes through the shortcut.
 
 mod common;
 
@@ -20,7 +24,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use common::{ChanReader, ChanWriter};
-use rpc_core::wire::{Header, Kind, Message};
+use rpc_core::wire::{FrameRef, Header, Kind, Limits, Message, WireHeader, HEADER_LEN};
 use rpc_core::{Bincode, Client, Config, DirectSend, ResponseShortcut, RpcError, Transport};
 use tokio::sync::mpsc;
 
@@ -34,9 +38,12 @@ struct Link {
     posted: mpsc::UnboundedSender<Message>,
     /// answers not received yet
     wire: Mutex<VecDeque<Message>>,
-    /// calls of `progress`, and those that found something
+    /// whether `progress_with` lends answers (else it is `progress`)
+    lend: bool,
+    /// calls of `progress`, those that found something, and the answers lent
     polls: AtomicUsize,
     found: AtomicUsize,
+    lent: AtomicUsize,
     /// nanoseconds from `start` to the last `progress`
     start: Instant,
     last_poll: AtomicU64,
@@ -57,6 +64,15 @@ impl Link {
     }
 }
 
+impl Link {
+    /// Counts a poll, and when it came.
+    fn count_poll(&self) {
+        self.polls.fetch_add(1, Ordering::SeqCst);
+        let ns = self.start.elapsed().as_nanos() as u64;
+        self.last_poll.store(ns, Ordering::SeqCst);
+    }
+}
+
 impl DirectSend for Link {
     fn ready(&self) -> bool {
         true
@@ -71,14 +87,49 @@ impl DirectSend for Link {
         self.burst
     }
     fn progress(&self) -> bool {
-        self.polls.fetch_add(1, Ordering::SeqCst);
-        let ns = self.start.elapsed().as_nanos() as u64;
-        self.last_poll.store(ns, Ordering::SeqCst);
+        self.count_poll();
         let found = self.receive();
         if found {
             self.found.fetch_add(1, Ordering::SeqCst);
         }
         found
+    }
+    fn progress_with(&self, id: u64, take: &mut dyn FnMut(&FrameRef<'_>)) -> bool {
+        if !self.lend {
+            return self.progress();
+        }
+        // what is on the wire is looked at once: an answer put there after this look waits
+        // for the next poll (as on a real link), and is lent then
+        let mut wire = self.wire.lock().unwrap();
+        let lend = wire
+            .front()
+            .map(|m| m.header.kind == Kind::Response && m.header.id == id);
+        if lend != Some(true) {
+            drop(wire);
+            if lend.is_none() {
+                self.count_poll();
+                return false;
+            }
+            return self.progress();
+        }
+        let answer = wire.pop_front().expect("looked at above");
+        drop(wire);
+        self.count_poll();
+        // lent as a transport lends it: the frame's bytes, read in place
+        let mut frame = Vec::new();
+        answer.encode_into(&mut frame);
+        let (raw, rest) = frame
+            .split_first_chunk::<HEADER_LEN>()
+            .expect("a whole frame");
+        let limits = Limits {
+            max_message_size: u64::MAX,
+            max_attachments: u16::MAX,
+        };
+        let head = WireHeader::parse(raw, &limits).expect("a valid header");
+        take(&head.split_ref(rest).expect("a valid frame"));
+        self.found.fetch_add(1, Ordering::SeqCst);
+        self.lent.fetch_add(1, Ordering::SeqCst);
+        true
     }
 }
 
@@ -136,11 +187,17 @@ impl Server {
     /// Puts the answer to `req` (an echo of its body) on the wire, where only a receive finds
     /// it.
     fn answer(&self, req: &Message) {
+        self.answer_with(req, 0, req.body.clone());
+    }
+
+    /// Puts an answer to `req` with error code `aux` (0: none) and `body` on the wire.
+    fn answer_with(&self, req: &Message, aux: u32, body: bytes::Bytes) {
         let mut header = Header::new(Kind::Response, req.header.id);
         header.method = req.header.method;
+        header.aux = aux;
         self.link.wire.lock().unwrap().push_back(Message {
             header,
-            body: req.body.clone(),
+            body,
             attachments: Default::default(),
         });
     }
@@ -156,6 +213,11 @@ fn connect(window: Duration) -> (Client, Server) {
 
 /// [`connect`], with the transport asking for bursts of `burst` (zero: the client's own).
 fn connect_bursting(window: Duration, burst: Duration) -> (Client, Server) {
+    connect_link(window, burst, true)
+}
+
+/// [`connect_bursting`], with a transport that lends answers or not.
+fn connect_link(window: Duration, burst: Duration, lend: bool) -> (Client, Server) {
     let (posted_tx, posted) = mpsc::unbounded_channel();
     let (written_tx, written) = mpsc::unbounded_channel();
     let (reader_tx, incoming) = mpsc::unbounded_channel();
@@ -165,8 +227,10 @@ fn connect_bursting(window: Duration, burst: Duration) -> (Client, Server) {
         burst,
         posted: posted_tx,
         wire: Mutex::new(VecDeque::new()),
+        lend,
         polls: AtomicUsize::new(0),
         found: AtomicUsize::new(0),
+        lent: AtomicUsize::new(0),
         start: Instant::now(),
         last_poll: AtomicU64::new(0),
     });
@@ -241,7 +305,81 @@ async fn a_lone_caller_receives_its_own_answer() {
     let (client, server) = connect(Duration::from_secs(30));
     let server = twenty_calls_the_caller_receives(&client, server).await;
     assert_eq!(server.link.found.load(Ordering::SeqCst), 20);
+    assert_eq!(
+        server.link.lent.load(Ordering::SeqCst),
+        20,
+        "every answer was decoded borrowed"
+    );
     assert!(server.link.wire.lock().unwrap().is_empty());
+    assert_eq!(client.in_flight(), 0, "every call's slot is free again");
+}
+
+/// A lent answer's attachments are copied out of the borrowed frame into payloads the caller
+/// keeps: an echo of payloads of 0 to 300 bytes gets each back whole.
+#[tokio::test(flavor = "current_thread")]
+async fn lent_answers_carry_their_payloads() {
+    let (client, mut server) = connect(Duration::from_secs(30));
+    for len in [0usize, 1, 64, 300] {
+        let sent = rpc_core::Payload::from((0..len).map(|i| i as u8).collect::<Vec<u8>>());
+        let pending =
+            tokio::spawn(client.call::<Bincode, _, rpc_core::Payload>(2, "echo", &(sent.clone(),)));
+        let req = server.next_request().await;
+        assert_eq!(
+            req.attachments.len(),
+            1,
+            "the payload travels as an attachment"
+        );
+        let mut header = Header::new(Kind::Response, req.header.id);
+        header.method = req.header.method;
+        server.link.wire.lock().unwrap().push_back(Message {
+            header,
+            body: req.body.clone(),
+            attachments: req.attachments.clone(),
+        });
+        let back = pending.await.unwrap().expect("echoed");
+        assert_eq!(back, sent, "{len} bytes");
+    }
+    assert_eq!(server.link.lent.load(Ordering::SeqCst), 4);
+    assert_eq!(client.in_flight(), 0);
+}
+
+#[tokio::test(flavor = "current_thread")]
+async fn a_transport_that_does_not_lend_delivers_through_the_shortcut() {
+    let (client, server) = connect_link(Duration::from_secs(30), Duration::ZERO, false);
+    let server = twenty_calls_the_caller_receives(&client, server).await;
+    assert_eq!(server.link.found.load(Ordering::SeqCst), 20);
+    assert_eq!(server.link.lent.load(Ordering::SeqCst), 0);
+    assert_eq!(client.in_flight(), 0);
+}
+
+/// A lent answer that is the server's error, or that does not decode, fails its call as it
+/// would through the shortcut; the call's slot is freed and the next call is answered.
+#[tokio::test(flavor = "current_thread")]
+async fn lent_errors_and_undecodable_answers_fail_only_their_call() {
+    let (client, mut server) = connect(Duration::from_secs(30));
+    let pending = tokio::spawn(call(&client, 1));
+    let req = server.next_request().await;
+    let code = rpc_core::ServerErrorKind::UnknownMethod.code();
+    server.answer_with(&req, code, bytes::Bytes::from_static(b"no such method"));
+    match pending.await.unwrap() {
+        Err(RpcError::Server(e)) => {
+            assert_eq!(e.kind, rpc_core::ServerErrorKind::UnknownMethod);
+            assert_eq!(e.message, "no such method");
+        }
+        other => panic!("expected the server's error, got {other:?}"),
+    }
+    let pending = tokio::spawn(call(&client, 2));
+    let req = server.next_request().await;
+    // a u64 needs 8 bytes (bincode, fixed-width) or 1 to 9 (varint): 0xff alone is neither
+    server.answer_with(&req, 0, bytes::Bytes::from_static(&[0xff]));
+    assert!(
+        matches!(pending.await.unwrap(), Err(RpcError::Codec(_))),
+        "an answer that does not decode is a codec error"
+    );
+    assert_eq!(server.link.lent.load(Ordering::SeqCst), 2);
+    assert_eq!(client.in_flight(), 0);
+    let server = twenty_calls_the_caller_receives(&client, server).await;
+    assert_eq!(server.link.lent.load(Ordering::SeqCst), 22);
 }
 
 #[tokio::test(flavor = "current_thread")]
