@@ -450,7 +450,7 @@ impl Shared {
                 None => return Ok(0),
             }
         };
-        self.poll_locked(&mut polled, None)
+        self.poll_locked(&mut polled, None, None)
     }
 
     /// The poll lock, unless another task holds it.
@@ -459,11 +459,13 @@ impl Shared {
     }
 
     /// Polls the CQ under the poll lock (`polled`) and dispatches what it finds, received
-    /// messages to `lend` if given (see `dispatch`); how many completions it found.
+    /// messages to `lend` or small ones first to `offer`, if given (see `dispatch`); how many
+    /// completions it found.
     fn poll_locked(
         &self,
         poller: &mut Poller,
         lend: Option<&mut Lend<'_>>,
+        offer: Option<&mut Offer<'_>>,
     ) -> Result<usize, RdmaError> {
         let Poller { polled, arena } = poller;
         let n = match self.cq.poll(polled) {
@@ -475,7 +477,7 @@ impl Shared {
         };
         if n > 0 {
             self.spin.on_completions(self.spin.now());
-            dispatch(self, polled.wcs(), arena, lend);
+            dispatch(self, polled.wcs(), arena, lend, offer);
         }
         Ok(n)
     }
@@ -1261,6 +1263,25 @@ impl RdmaConnection {
         found
     }
 
+    /// As [`poll_completions`](Self::poll_completions), but each small received message (see
+    /// [`COPY_AT_MOST`]) is first offered to `offer`, borrowed from the slot it arrived in: if
+    /// `offer` returns true it consumed the message, which then never reaches the installed
+    /// receiver (no copy is made of it, and the same slot is posted again at once). Messages
+    /// before and after it reach the receiver as usual, in order. For the RPC engine's lone
+    /// callers, who decode their answers in place (`DirectSend::progress_with`); on a
+    /// connection with no receiver installed, or of a shared receive queue, nothing is offered.
+    pub(crate) fn poll_completions_offering(&self, offer: &mut Offer<'_>) -> bool {
+        let shared = &*self.shared;
+        let Some(mut polled) = shared.try_poll_lock() else {
+            return false;
+        };
+        let found = matches!(shared.poll_locked(&mut polled, None, Some(offer)), Ok(n) if n > 0);
+        if found {
+            shared.spin.caller_found();
+        }
+        found
+    }
+
     /// Whether no SEND is in flight (every send slot is free).
     pub(crate) fn sends_idle(&self) -> bool {
         self.shared.send_permits.available() >= self.send_slots
@@ -1348,7 +1369,7 @@ impl RdmaConnection {
         if drain(shared, &mut rx, &mut lend)? {
             return Ok(None);
         }
-        if shared.poll_locked(&mut polled, Some(&mut lend))? > 0 {
+        if shared.poll_locked(&mut polled, Some(&mut lend), None)? > 0 {
             shared.spin.caller_found();
         }
         if drain(shared, &mut rx, &mut lend)? {
@@ -1927,18 +1948,27 @@ fn drain(
 /// What takes a received message borrowed from its slot (see `dispatch`).
 type Lend<'a> = dyn FnMut(&[u8]) + 'a;
 
+/// What small received messages are offered to before they are copied out (see
+/// [`RdmaConnection::poll_completions_offering`]); true: consumed.
+pub(crate) type Offer<'a> = dyn FnMut(&[u8]) -> bool + 'a;
+
 /// Handles polled completions: waiters woken, slots freed, received messages to the installed
 /// receiver or to `recv_bytes`; or, with `lend` (and no receiver installed), each received
 /// message handed to it borrowed from its slot, which is posted again at once (see
-/// [`RdmaConnection::poll_recv_with`]).
+/// [`RdmaConnection::poll_recv_with`]); with `offer` (and a receiver installed), each small
+/// message offered to it borrowed first, and handed on only if it did not consume it (see
+/// [`RdmaConnection::poll_completions_offering`]).
 fn dispatch(
     shared: &Shared,
     wcs: &[Wc],
     arena: &mut bytes::BytesMut,
     mut lend: Option<&mut Lend<'_>>,
+    mut offer: Option<&mut Offer<'_>>,
 ) {
     if shared.receiver.get().is_some() {
         lend = None;
+    } else {
+        offer = None;
     }
     for wc in wcs {
         if wc.kind == WrKind::Recv {
@@ -1992,10 +2022,18 @@ fn dispatch(
                         }
                     }
                     (true, Some(Mem::Pool(buf)), None) if wc.byte_len as usize <= COPY_AT_MOST => {
-                        in_place(shared, buf, wc.byte_len as usize, |msg| {
-                            RecvEvent::Copied(copy_out(arena, msg))
-                        })
-                        .unwrap_or_else(|ev| ev)
+                        let offer = offer.as_deref_mut();
+                        let taken = in_place(shared, buf, wc.byte_len as usize, |msg| {
+                            if offer.is_some_and(|offer| offer(msg)) {
+                                None
+                            } else {
+                                Some(RecvEvent::Copied(copy_out(arena, msg)))
+                            }
+                        });
+                        match taken {
+                            Ok(None) => continue,
+                            Ok(Some(ev)) | Err(ev) => ev,
+                        }
                     }
                     (true, Some(r), _) => RecvEvent::Data(r, wc.byte_len as usize),
                     (true, None, _) => RecvEvent::Failed {

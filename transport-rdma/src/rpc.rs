@@ -55,7 +55,7 @@ use rpc_core::rendezvous::{
     refuse, Credits, Direction, Incoming, Packet, Plan, Segment, Transfers, PACKET_HEADER_LEN,
     START_WINDOW,
 };
-use rpc_core::wire::{Limits, Message};
+use rpc_core::wire::{FrameRef, Kind, Limits, Message};
 use rpc_core::{Config, Payload};
 use tokio::sync::{mpsc, Notify, OwnedSemaphorePermit, Semaphore};
 
@@ -480,6 +480,24 @@ impl rpc_core::DirectSend for Direct {
     fn progress(&self) -> bool {
         self.engine().is_some_and(|e| e.conn.poll_completions())
     }
+
+    fn progress_with(&self, id: u64, take: &mut dyn FnMut(&FrameRef<'_>)) -> bool {
+        let Some(engine) = self.engine() else {
+            return false;
+        };
+        let mut taken = false;
+        let found = engine.conn.poll_completions_offering(&mut |slot| {
+            // one answer per call: anything after it goes the usual way
+            let take_it = !taken && engine.take_answer(slot, id, take);
+            taken |= take_it;
+            take_it
+        });
+        if taken {
+            // its slot is posted again by now: the peer may have its credit back
+            engine.release();
+        }
+        found
+    }
 }
 
 /// Receiving half of an [`RdmaTransport`].
@@ -860,6 +878,38 @@ fn lock(m: &Mutex<Proto>) -> MutexGuard<'_, Proto> {
 }
 
 impl Engine {
+    /// Hands the answer to call `id` to `take`, borrowed from `slot` (a received packet),
+    /// if `slot` is that answer as a small eager packet (see `Packet::peek_eager`); it is
+    /// then consumed: its credits count, as in `on_packet`, and the caller owes its slot's
+    /// credit back ([`release`](Self::release)) once the slot is posted again. Anything else
+    /// (another call's answer, a packet of its sender starved of credits, a violation) is
+    /// left to `on_packet`, untouched.
+    fn take_answer(&self, slot: &[u8], id: u64, take: &mut dyn FnMut(&FrameRef<'_>)) -> bool {
+        let Some(eager) = Packet::peek_eager(slot, &self.limits) else {
+            return false;
+        };
+        // (a shared receive queue's packets are never offered: see `poll_completions_offering`)
+        let header = &eager.frame.header;
+        if header.kind != Kind::Response || header.id != id || eager.starved {
+            return false;
+        }
+        {
+            let mut p = lock(&self.proto);
+            // (a violation changes nothing: `on_packet` finds it again and ends the connection)
+            if p.credits.on_receive(eager.credits).is_err() {
+                return false;
+            }
+            if !p.heard {
+                p.heard = true;
+                self.credit_changed.notify_waiters();
+            }
+        }
+        // the credits it returned may be what a send loop waits for
+        self.credits_changed();
+        take(&eager.frame);
+        true
+    }
+
     /// A received packet was consumed: owe the peer its credit, and return a half window.
     fn release(&self) {
         let mut p = lock(&self.proto);

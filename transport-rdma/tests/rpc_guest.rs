@@ -1370,3 +1370,76 @@ async fn shared_receive_queue_under_pressure() {
     .await
     .expect("test timed out");
 }
+
+/// A lone caller on a current-thread runtime, busy-polling, receives its own answers and
+/// decodes a small one where it arrived, borrowed from its receive slot
+/// (`DirectSend::progress_with`; attachments copied out), while larger answers take the usual
+/// path. Over 1,500 calls (far more than the receive window, so every lent slot's credit must
+/// come back), with answers of both sizes, with and without attachments, and the server's
+/// errors mixed in, every answer is the right one, and once the client is gone every buffer of
+/// both sides is back.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn lone_callers_decode_small_answers_in_place() {
+    let (dev, addr) = target(20_211);
+    tokio::time::timeout(LIMIT, async move {
+        let config = Config::default();
+        let spin = RdmaOptions {
+            busy_poll: Duration::from_millis(2),
+            busy_poll_max: Duration::from_millis(2),
+            poll_burst: Duration::from_micros(200),
+            ..RdmaOptions::default()
+        };
+        let srv = BlobServer::start(addr, &config, spin.clone());
+        let server_pools = srv.pools.clone();
+        let window = spin.recv_slots as u64;
+        let calls = 1_500u64;
+        let (pools, digests, echoes, refused) = std::thread::spawn(move || {
+            // a lone call's caller spins only on a current-thread runtime
+            let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().expect("runtime");
+            rt.block_on(async move {
+                let transport = RdmaTransport::connect(addr, config.clone(), spin).await.expect("connect");
+                let pools = transport.pool_monitor();
+                let client = Client::new(transport, config);
+                let (mut digests, mut echoes, mut refused) = (0, 0, 0);
+                for i in 0..calls {
+                    let d = data((i as usize * 7) % 400, i);
+                    let arg = (Payload::from_owner(d.clone()),);
+                    match i % 10 {
+                        // an answer with an attachment of 0 to 399 bytes: lent up to 256 bytes of
+                        // packet, the usual path beyond
+                        3 => {
+                            let back: Payload = client.call::<Bincode, _, _>(ECHO, "Blob.echo", &arg).await.expect("echo");
+                            assert_eq!(&back[..], &d[..], "echo {i}");
+                            echoes += 1;
+                        }
+                        // the server's error, small: lent
+                        7 => {
+                            let e = client.call::<Bincode, _, (u64, u64)>(99, "Blob.none", &arg).await.expect_err("no method 99");
+                            assert_eq!(e.server_kind(), Some(rpc_core::ServerErrorKind::UnknownMethod), "call {i}: {e}");
+                            refused += 1;
+                        }
+                        // (len, fnv64): 2 to 20 bytes of answer, lent
+                        _ => {
+                            let got: (u64, u64) = client.call::<Bincode, _, _>(DIGEST, "Blob.digest", &arg).await.expect("digest");
+                            assert_eq!(got, (d.len() as u64, fnv64(&d)), "digest of call {i}");
+                            digests += 1;
+                        }
+                    }
+                }
+                assert_eq!(client.in_flight(), 0, "every call's slot is free");
+                let end = settle("after the calls", &pools, |c| c.outstanding() == window).await;
+                assert_eq!(end.fallback_registrations, 0, "no buffer registered on the hot path: {end:?}");
+                drop(client);
+                (pools, digests, echoes, refused)
+            })
+        })
+        .join()
+        .expect("client thread");
+        let client_end = settle("client closed", &pools, |c| c.outstanding() == 0 && c.live_regions == 0).await;
+        let server_end = settle("server side of the closed client", &server_pools, |c| c.outstanding() == 0 && c.live_regions == 0).await;
+        println!("device {dev}: {calls} lone calls on a current-thread runtime: {digests} digests, {refused} errors, {echoes} echoes; pools at the end: client {client_end:?}, server {server_end:?}");
+        srv.stop().await;
+    })
+    .await
+    .expect("test timed out");
+}
