@@ -25,8 +25,8 @@ use crate::codec::Codec;
 use crate::conn::{encode_body, KeepAlive, Tick};
 use crate::payload::{with_attachments, PayloadMemory, PayloadMut};
 use crate::permits::{Permit, Permits, TryAcquireError};
-use crate::transport::{DirectSend, ResponseShortcut, Transport};
-use crate::wire::{Attachments, FrameRef, Header, Kind, Message};
+use crate::transport::{DirectSend, LentFrame, ResponseShortcut, Transport};
+use crate::wire::{Attachments, Header, Kind, Message};
 use crate::{Config, RpcError, ServerError, ServerErrorKind};
 
 /// State shared by the call futures and the connection's reader and writer tasks.
@@ -732,8 +732,21 @@ impl<C: Codec, R: DeserializeOwned> Future for Answer<'_, C, R> {
                     };
                     // a small answer found in the burst is decoded where it was received
                     let mut taken = None;
-                    let mut take = |f: &FrameRef<'_>| {
-                        taken = Some(decode_answer::<C, R>(&f.header, f.body, f.to_attachments()));
+                    let mut take = |lent: &mut dyn LentFrame| {
+                        if !lent.accept() {
+                            return false;
+                        }
+                        let f = lent.frame();
+                        let header = f.header;
+                        taken = Some(if f.attachment_bytes() == 0 {
+                            // no bytes to keep (empty payloads need none): decoded in place
+                            decode_answer::<C, R>(&header, f.body, f.to_attachments())
+                        } else {
+                            // payloads the caller keeps: copied out of the receive buffer
+                            let (body, attachments) = lent.own();
+                            decode_answer::<C, R>(&header, &body, attachments)
+                        });
+                        true
                     };
                     match this.spin.burst(&**direct, id, &mut take) {
                         Spin::Found => {
@@ -833,7 +846,7 @@ impl SpinState {
         &mut self,
         direct: &dyn DirectSend,
         id: u64,
-        take: &mut dyn FnMut(&FrameRef<'_>),
+        take: &mut dyn FnMut(&mut dyn LentFrame) -> bool,
     ) -> Spin {
         if self.over {
             return Spin::Off;

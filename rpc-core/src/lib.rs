@@ -63,7 +63,7 @@ pub use crate::endpoint::{Endpoint, EndpointParseError, Scheme};
 pub use crate::error::{RpcError, ServerError, ServerErrorKind};
 pub use crate::payload::{Payload, PayloadMut};
 pub use crate::server::{Reply, Request, Service, ShutdownHandle};
-pub use crate::transport::{DirectSend, Listener, ResponseShortcut, Transport};
+pub use crate::transport::{DirectSend, LentFrame, Listener, ResponseShortcut, Transport};
 
 /// The id of method `"Service.method"` on the wire: FNV-1a (32 bit) of the full name.
 /// `#[rdma_service]` checks at compile time that one service's ids are distinct.

@@ -29,7 +29,7 @@ use crate::codec::Codec;
 use crate::conn::{encode_body, KeepAlive, Outbox, Tick};
 use crate::ids::IdMap;
 use crate::payload::{with_attachments, PayloadMemory, PayloadMut};
-use crate::transport::{DirectSend, Listener, Transport};
+use crate::transport::{DirectSend, LentFrame, Listener, Transport};
 use crate::wire::{Attachments, FrameError, Header, Kind, Message};
 use crate::{Config, Secret, ServerError, ServerErrorKind};
 
@@ -735,41 +735,78 @@ where
     /// Takes `msg` if it is a request that can be run here now; gives it back if not (it then
     /// goes to the connection task, which refuses or waits as its case needs).
     fn take(&self, msg: Message) -> Option<Message> {
-        if msg.header.kind != Kind::Request {
-            return Some(msg);
-        }
-        let mut gate = self.gate.lock();
-        if !gate.open || self.ctx.shutting_down.load(Ordering::Relaxed) || !self.sender.ready() {
-            return Some(msg);
-        }
-        let (id, method) = (msg.header.id, msg.header.method);
-        let Some(name) = self.service.method_name(method) else {
+        let Some((gate, name)) = self.admit(&msg.header) else {
             return Some(msg);
         };
-        if self.running.has(id) {
-            return Some(msg);
-        }
-        if !self.ctx.handler_slots.try_take() {
-            return Some(msg);
-        }
-        self.taken.fetch_add(1, Ordering::Relaxed);
-        let deadline = deadline_of(&msg.header);
-        let _entered = self.span.enter();
         let request = Request::new(msg.body, msg.attachments);
+        self.run(gate, &msg.header, name, request);
+        None
+    }
+
+    /// [`take`](Self::take) for a request the transport lends borrowed: what the handler
+    /// keeps of it (body, attachments) is copied out through the transport.
+    fn take_lent(&self, lent: &mut dyn LentFrame) -> bool {
+        let header = lent.frame().header;
+        let Some((gate, name)) = self.admit(&header) else {
+            return false;
+        };
+        if !lent.accept() {
+            self.ctx.handler_slots.give();
+            return false;
+        }
+        let (body, attachments) = lent.own();
+        self.run(gate, &header, name, Request::new(body, attachments));
+        true
+    }
+
+    /// Whether a request of `header` can be run here now: if so, it holds a handler slot and
+    /// the gate (returned, with the method's name) until it is answered or handed to a task.
+    fn admit(
+        &self,
+        header: &Header,
+    ) -> Option<(parking_lot::MutexGuard<'_, Gate<F>>, &'static str)> {
+        if header.kind != Kind::Request {
+            return None;
+        }
+        let gate = self.gate.lock();
+        if !gate.open || self.ctx.shutting_down.load(Ordering::Relaxed) || !self.sender.ready() {
+            return None;
+        }
+        let name = self.service.method_name(header.method)?;
+        if self.running.has(header.id) || !self.ctx.handler_slots.try_take() {
+            return None;
+        }
+        Some((gate, name))
+    }
+
+    /// Runs an admitted request (see [`admit`](Self::admit)) to its first poll, and answers
+    /// it if that finished it.
+    fn run(
+        &self,
+        mut gate: parking_lot::MutexGuard<'_, Gate<F>>,
+        header: &Header,
+        name: &'static str,
+        request: Request,
+    ) {
+        let (id, method) = (header.id, header.method);
+        self.taken.fetch_add(1, Ordering::Relaxed);
+        let deadline = deadline_of(header);
+        let _entered = self.span.enter();
         let work = (self.make)(self.service.clone(), method, request, self.memory.clone());
         let call = Call { id, name, deadline };
-        let answer = first_poll(
+        let Some(answer) = first_poll(
             &mut gate.inline,
             work,
             &self.ctx.handler_slots,
             &self.running,
             call,
-        )?;
+        ) else {
+            return;
+        };
         if let Err(answer) = self.sender.try_send(answer) {
             // the link got busy meanwhile: through the connection task's writer
             let _ = self.running.outbox.send(answer);
         }
-        None
     }
 }
 
@@ -888,6 +925,11 @@ async fn serve_connection<T: Transport, S: Service>(
             Some(fast) => fast.take(msg),
             None => Some(msg),
         }));
+        let weak = Arc::downgrade(&fast);
+        let installed = installed
+            && shortcut.install_frames(Box::new(move |lent| {
+                weak.upgrade().is_some_and(|fast| fast.take_lent(lent))
+            }));
         if installed {
             // handlers spawned there answer through `answers`: always look at it
             conn.spawned = true;

@@ -28,10 +28,11 @@ use std::io;
 use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
+use bytes::Bytes;
 use futures::{Sink, Stream};
 
 use crate::payload::PayloadMemory;
-use crate::wire::{FrameRef, Message};
+use crate::wire::{Attachments, FrameRef, Message};
 
 /// One established connection of some transport.
 pub trait Transport: Send + 'static {
@@ -134,15 +135,16 @@ pub trait DirectSend: Send + Sync + 'static {
     }
 
     /// As [`progress`](Self::progress), but the answer to call `id`, if it arrives now as a
-    /// small message, goes to `take` *borrowed* from the transport's receive buffer instead of
-    /// through the [`ResponseShortcut`]: the caller decodes it there, with no [`Message`] made
-    /// for it. `take` is called at most once, only for a [`Kind::Response`] with that id, and
-    /// that answer is then consumed (it reaches neither the shortcut nor the reader);
-    /// everything else received in the same poll goes on as in `progress`. Whether anything
-    /// was found. The default is `progress`, which never calls `take`.
+    /// small message, is lent to `take` *borrowed* from the transport's receive buffer instead
+    /// of going through the [`ResponseShortcut`]: the caller decodes it there, with no
+    /// [`Message`] made for it. `take` is called only for a [`Kind::Response`] with that id;
+    /// it returns true if it took the answer (after [`LentFrame::accept`] said yes), which is
+    /// then consumed (it reaches neither the shortcut nor the reader), and is not called
+    /// again. Everything else received in the same poll goes on as in `progress`. Whether
+    /// anything was found. The default is `progress`, which never calls `take`.
     ///
     /// [`Kind::Response`]: crate::wire::Kind::Response
-    fn progress_with(&self, id: u64, take: &mut dyn FnMut(&FrameRef<'_>)) -> bool {
+    fn progress_with(&self, id: u64, take: &mut dyn FnMut(&mut dyn LentFrame) -> bool) -> bool {
         let _ = (id, take);
         self.progress()
     }
@@ -167,9 +169,36 @@ pub trait DirectSend: Send + Sync + 'static {
 /// while the link is idle, and answers them through the [`DirectSend`] (run to completion);
 /// every other message, and every request it cannot take so, is given back. It then runs
 /// handlers' first polls in the transport's receiving task, which must therefore be a task
-/// of a tokio runtime (a handler that has to wait is spawned from there).
+/// of a tokio runtime (a handler that has to wait is spawned from there). Such a server also
+/// takes requests *borrowed* from where the transport received them, if the transport
+/// [`offer_frame`](Self::offer_frame)s them, with no [`Message`] made for them.
 #[derive(Clone, Default)]
-pub struct ResponseShortcut(Arc<OnceLock<Taker>>);
+pub struct ResponseShortcut(Arc<Takers>);
+
+#[derive(Default)]
+struct Takers {
+    messages: OnceLock<Taker>,
+    frames: OnceLock<FrameTaker>,
+}
+
+/// A server's taker of borrowed requests (see [`ResponseShortcut::offer_frame`]).
+pub(crate) type FrameTaker = Box<dyn Fn(&mut dyn LentFrame) -> bool + Send + Sync>;
+
+/// A received frame a transport lends, borrowed from where it arrived: a request to a server's
+/// taker ([`ResponseShortcut::offer_frame`]), an answer to the caller waiting for it
+/// ([`DirectSend::progress_with`]).
+pub trait LentFrame {
+    /// The frame.
+    fn frame(&self) -> FrameRef<'_>;
+
+    /// Called by a taker that has decided to take the frame, before it acts on it: the
+    /// transport counts it as received (the credits it carries, say). False if it may not be
+    /// taken after all; the taker then gives it back as it was.
+    fn accept(&mut self) -> bool;
+
+    /// The frame's body and attachments, copied into memory the taker may keep.
+    fn own(&mut self) -> (Bytes, Attachments);
+}
 
 impl ResponseShortcut {
     /// A shortcut with no taker yet.
@@ -180,22 +209,49 @@ impl ResponseShortcut {
     /// Offers a received message to the client; gives it back unless the client took it.
     #[inline]
     pub fn offer(&self, msg: Message) -> Option<Message> {
-        match self.0.get() {
+        match self.0.messages.get() {
             Some(take) => take(msg),
             None => Some(msg),
         }
     }
 
+    /// Whether a taker of borrowed requests is installed (a server's, see
+    /// [`offer_frame`](Self::offer_frame)): a transport that finds none need not read its
+    /// frames in place for it.
+    #[inline]
+    pub fn takes_frames(&self) -> bool {
+        self.0.frames.get().is_some()
+    }
+
+    /// Offers a received request borrowed from where it arrived, before (instead of) making
+    /// a [`Message`] of it and [`offer`](Self::offer)ing that: true if the server took it (it
+    /// called [`LentFrame::accept`], which said yes, and then ran the request, copying out what
+    /// it keeps with [`LentFrame::own`]). False if it was not taken: nothing of it was used,
+    /// and it is the transport's to hand on as usual, `accept` not called or answered no.
+    /// Offers must come in the order messages were received, as [`offer`](Self::offer)s do.
+    pub fn offer_frame(&self, lent: &mut dyn LentFrame) -> bool {
+        match self.0.frames.get() {
+            Some(take) => take(lent),
+            None => false,
+        }
+    }
+
     /// Installs the client's taker; false if one was installed already.
     pub(crate) fn install(&self, take: Taker) -> bool {
-        self.0.set(take).is_ok()
+        self.0.messages.set(take).is_ok()
+    }
+
+    /// Installs a server's taker of borrowed requests; false if one was installed already.
+    pub(crate) fn install_frames(&self, take: FrameTaker) -> bool {
+        self.0.frames.set(take).is_ok()
     }
 }
 
 impl fmt::Debug for ResponseShortcut {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("ResponseShortcut")
-            .field("installed", &self.0.get().is_some())
+            .field("installed", &self.0.messages.get().is_some())
+            .field("takes_frames", &self.takes_frames())
             .finish()
     }
 }

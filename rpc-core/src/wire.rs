@@ -405,6 +405,31 @@ impl<'a> FrameRef<'a> {
         })
     }
 
+    /// Its body and attachments as views of `copy`, a copy of the frame's bytes after its
+    /// fixed header (the bytes [`WireHeader::split_ref`] read): one copy for all of them.
+    ///
+    /// # Panics
+    /// If `copy` is not as long as those bytes.
+    pub fn split_copy(&self, mut copy: Bytes) -> (Bytes, Attachments) {
+        assert_eq!(
+            copy.len(),
+            self.table.len() + self.body.len() + self.data.len(),
+            "a copy of the frame's bytes after its header"
+        );
+        copy.advance(self.table.len());
+        let body = copy.split_to(self.body.len());
+        let attachments = self
+            .attachments()
+            .map(|a| Payload::from(copy.split_to(a.len())))
+            .collect();
+        (body, attachments)
+    }
+
+    /// How many bytes its attachments hold together.
+    pub fn attachment_bytes(&self) -> usize {
+        self.data.len()
+    }
+
     /// Its attachments copied into payloads of their own (an empty one allocates nothing).
     pub fn to_attachments(&self) -> Attachments {
         self.attachments()

@@ -19,13 +19,15 @@
 mod common;
 
 use std::collections::VecDeque;
-use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use common::{ChanReader, ChanWriter};
-use rpc_core::wire::{FrameRef, Header, Kind, Limits, Message, WireHeader, HEADER_LEN};
-use rpc_core::{Bincode, Client, Config, DirectSend, ResponseShortcut, RpcError, Transport};
+use common::{ChanReader, ChanWriter, Lent};
+use rpc_core::wire::{Header, Kind, Message};
+use rpc_core::{
+    Bincode, Client, Config, DirectSend, LentFrame, ResponseShortcut, RpcError, Transport,
+};
 use tokio::sync::mpsc;
 
 /// The fake's link: requests the client posted directly, answers waiting to be received.
@@ -40,6 +42,8 @@ struct Link {
     wire: Mutex<VecDeque<Message>>,
     /// whether `progress_with` lends answers (else it is `progress`)
     lend: bool,
+    /// whether a lent answer's `accept` says no (the transport could not count it)
+    refuse: AtomicBool,
     /// calls of `progress`, those that found something, and the answers lent
     polls: AtomicUsize,
     found: AtomicUsize,
@@ -94,7 +98,7 @@ impl DirectSend for Link {
         }
         found
     }
-    fn progress_with(&self, id: u64, take: &mut dyn FnMut(&FrameRef<'_>)) -> bool {
+    fn progress_with(&self, id: u64, take: &mut dyn FnMut(&mut dyn LentFrame) -> bool) -> bool {
         if !self.lend {
             return self.progress();
         }
@@ -116,17 +120,20 @@ impl DirectSend for Link {
         drop(wire);
         self.count_poll();
         // lent as a transport lends it: the frame's bytes, read in place
-        let mut frame = Vec::new();
-        answer.encode_into(&mut frame);
-        let (raw, rest) = frame
-            .split_first_chunk::<HEADER_LEN>()
-            .expect("a whole frame");
-        let limits = Limits {
-            max_message_size: u64::MAX,
-            max_attachments: u16::MAX,
-        };
-        let head = WireHeader::parse(raw, &limits).expect("a valid header");
-        take(&head.split_ref(rest).expect("a valid frame"));
+        let accept = !self.refuse.load(Ordering::SeqCst);
+        let mut lent = Lent::new(&answer, accept);
+        let taken = take(&mut lent);
+        assert!(lent.asked, "the caller asks to accept its answer");
+        if !taken {
+            assert!(!accept, "the caller takes an answer it may take");
+            // not counted as received: the usual path
+            assert!(
+                self.shortcut.offer(answer).is_none(),
+                "the client takes responses"
+            );
+            self.found.fetch_add(1, Ordering::SeqCst);
+            return true;
+        }
         self.found.fetch_add(1, Ordering::SeqCst);
         self.lent.fetch_add(1, Ordering::SeqCst);
         true
@@ -228,6 +235,7 @@ fn connect_link(window: Duration, burst: Duration, lend: bool) -> (Client, Serve
         posted: posted_tx,
         wire: Mutex::new(VecDeque::new()),
         lend,
+        refuse: AtomicBool::new(false),
         polls: AtomicUsize::new(0),
         found: AtomicUsize::new(0),
         lent: AtomicUsize::new(0),
@@ -340,6 +348,18 @@ async fn lent_answers_carry_their_payloads() {
         assert_eq!(back, sent, "{len} bytes");
     }
     assert_eq!(server.link.lent.load(Ordering::SeqCst), 4);
+    assert_eq!(client.in_flight(), 0);
+}
+
+/// An answer whose lending the transport cannot accept (`LentFrame::accept` says no) is left
+/// to the transport, which delivers it the usual way.
+#[tokio::test(flavor = "current_thread")]
+async fn an_answer_not_accepted_goes_the_usual_way() {
+    let (client, server) = connect(Duration::from_secs(30));
+    server.link.refuse.store(true, Ordering::SeqCst);
+    let server = twenty_calls_the_caller_receives(&client, server).await;
+    assert_eq!(server.link.found.load(Ordering::SeqCst), 20);
+    assert_eq!(server.link.lent.load(Ordering::SeqCst), 0);
     assert_eq!(client.in_flight(), 0);
 }
 

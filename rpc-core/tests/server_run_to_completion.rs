@@ -16,7 +16,7 @@ use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use common::{request, FakeDirect};
+use common::{request, FakeDirect, Lent};
 use futures::{SinkExt, StreamExt};
 use rpc_core::mem::{self, MemReader, MemTransport, MemWriter};
 use rpc_core::wire::{Kind, Message};
@@ -184,6 +184,15 @@ impl Peer {
         }
     }
 
+    /// Lends `msg` as a transport's receive path does ([`ResponseShortcut::offer_frame`]),
+    /// saying `accept` when the server accepts it: whether it was taken, and whether the
+    /// server asked to accept it.
+    fn lend(&self, msg: &Message, accept: bool) -> (bool, bool) {
+        let mut lent = Lent::new(msg, accept);
+        let taken = self.shortcut.offer_frame(&mut lent);
+        (taken, lent.asked)
+    }
+
     /// The next frame the server wrote through its writer that is not a keep-alive ping.
     async fn next_written(&mut self) -> Message {
         loop {
@@ -203,6 +212,51 @@ impl Peer {
         drop(self.to_reader);
         self.serving.await.unwrap();
     }
+}
+
+/// A request lent where it arrived is run there and answered through the direct sender, as
+/// one offered as a message is; one the server cannot take now (a busy link, an unknown
+/// method) is given back before it is accepted, and one the transport does not accept gives
+/// its handler slot back (with a single slot, the next request is still taken).
+#[tokio::test]
+async fn lent_requests_are_answered_where_they_arrive() {
+    let mut config = Config::default();
+    config.max_concurrent_handlers = 1;
+    let mut peer = Peer::connect(config).await;
+    for id in 1..=20u64 {
+        assert_eq!(
+            peer.lend(&request(1, id), true),
+            (true, true),
+            "request {id} taken"
+        );
+        let answer = peer.direct_sent.try_recv().expect("answered directly");
+        assert_eq!((answer.header.id, value(&answer)), (id, id));
+    }
+    assert_eq!(
+        peer.lend(&request(1, 21), false),
+        (false, true),
+        "not accepted"
+    );
+    assert_eq!(
+        peer.lend(&request(9, 22), true),
+        (false, false),
+        "unknown method"
+    );
+    peer.direct.ready.store(false, Ordering::SeqCst);
+    assert_eq!(
+        peer.lend(&request(1, 23), true),
+        (false, false),
+        "busy link"
+    );
+    peer.direct.ready.store(true, Ordering::SeqCst);
+    assert_eq!(
+        peer.lend(&request(1, 24), true),
+        (true, true),
+        "the slot came back"
+    );
+    let answer = peer.direct_sent.try_recv().expect("answered directly");
+    assert_eq!((answer.header.id, value(&answer)), (24, 24));
+    peer.finish().await;
 }
 
 #[tokio::test]

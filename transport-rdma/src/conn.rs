@@ -86,6 +86,9 @@ struct Shared {
     /// [`RdmaConnection::deliver_to`]): straight from the task that polled the CQ, instead of
     /// through `recv_tx` to a task waiting in `recv_bytes`
     receiver: OnceLock<Receiver>,
+    /// what small received messages are offered to, borrowed, before they go to `receiver`
+    /// (see [`RdmaConnection::offer_to`])
+    standing: OnceLock<Box<dyn Offered>>,
     /// how long to keep polling after the last completion before sleeping on the channel
     spin: SpinWindow,
     state: Mutex<State>,
@@ -870,6 +873,7 @@ impl RdmaConnection {
             }),
             recv_tx,
             receiver: OnceLock::new(),
+            standing: OnceLock::new(),
             spin: SpinWindow::new(opts.busy_poll, opts.busy_poll_max),
             state: Mutex::new(State::default()),
             send_pool: Mutex::new(Vec::with_capacity(send_slots)),
@@ -1280,6 +1284,16 @@ impl RdmaConnection {
             shared.spin.caller_found();
         }
         found
+    }
+
+    /// Offers every small received message (see [`COPY_AT_MOST`]) to `offered` from now on,
+    /// borrowed from the slot it arrived in, before it is copied out for the installed
+    /// receiver (after a lone caller's own offer, [`poll_completions_offering`]
+    /// (Self::poll_completions_offering)): what it consumes never reaches the receiver. For
+    /// a server, which runs requests where they arrive. Messages of a shared receive queue are
+    /// not offered. Once only: false if something was installed already.
+    pub(crate) fn offer_to(&self, offered: Box<dyn Offered>) -> bool {
+        self.shared.standing.set(offered).is_ok()
     }
 
     /// Whether no SEND is in flight (every send slot is free).
@@ -1949,8 +1963,22 @@ fn drain(
 type Lend<'a> = dyn FnMut(&[u8]) + 'a;
 
 /// What small received messages are offered to before they are copied out (see
-/// [`RdmaConnection::poll_completions_offering`]); true: consumed.
-pub(crate) type Offer<'a> = dyn FnMut(&[u8]) -> bool + 'a;
+/// [`RdmaConnection::poll_completions_offering`]), with a copier into the poller's arena (as
+/// in [`Offered::offer`]); true: consumed.
+pub(crate) type Offer<'a> = dyn FnMut(&[u8], &mut dyn FnMut(&[u8]) -> bytes::Bytes) -> bool + 'a;
+
+/// What a connection offers each small received message to, borrowed, whoever polls (see
+/// [`RdmaConnection::offer_to`]).
+pub(crate) trait Offered: Send + Sync {
+    /// `msg`, borrowed from its slot; `copy` copies bytes into the poller's arena (as small
+    /// messages are copied out for the receiver). True if it consumed `msg`: it then never
+    /// reaches the receiver, and [`reposted`](Self::reposted) follows once its slot is
+    /// posted again.
+    fn offer(&self, msg: &[u8], copy: &mut dyn FnMut(&[u8]) -> bytes::Bytes) -> bool;
+
+    /// The slot of the message [`offer`](Self::offer) consumed last is posted again.
+    fn reposted(&self);
+}
 
 /// Handles polled completions: waiters woken, slots freed, received messages to the installed
 /// receiver or to `recv_bytes`; or, with `lend` (and no receiver installed), each received
@@ -2023,13 +2051,25 @@ fn dispatch(
                     }
                     (true, Some(Mem::Pool(buf)), None) if wc.byte_len as usize <= COPY_AT_MOST => {
                         let offer = offer.as_deref_mut();
+                        let standing = shared.standing.get();
+                        let mut consumed = false;
                         let taken = in_place(shared, buf, wc.byte_len as usize, |msg| {
-                            if offer.is_some_and(|offer| offer(msg)) {
-                                None
-                            } else {
-                                Some(RecvEvent::Copied(copy_out(arena, msg)))
+                            if let Some(offer) = offer {
+                                if offer(msg, &mut |b| copy_out(arena, b)) {
+                                    return None;
+                                }
                             }
+                            if let Some(s) = standing {
+                                if s.offer(msg, &mut |b| copy_out(arena, b)) {
+                                    consumed = true;
+                                    return None;
+                                }
+                            }
+                            Some(RecvEvent::Copied(copy_out(arena, msg)))
                         });
+                        if let (true, Some(s)) = (consumed, standing) {
+                            s.reposted();
+                        }
                         match taken {
                             Ok(None) => continue,
                             Ok(Some(ev)) | Err(ev) => ev,

@@ -30,7 +30,11 @@
 //!   slot reposted, so credits never stall on a handler. A message of at most 256 bytes is
 //!   copied out at once into heap memory shared by many such copies, and its own slot is
 //!   posted again: for so few bytes the copy costs less than a view (a fresh slot leased, an
-//!   owner allocated, the slot's return), and a small message held long pins no slot.
+//!   owner allocated, the slot's return), and a small message held long pins no slot. Before
+//!   that copy, a small message is read where it lies: a lone call's caller that polls for
+//!   its own answer decodes it in the slot (`rpc_core::DirectSend::progress_with`), and a
+//!   server takes a request it can run at once, copying out only its body and attachments
+//!   (`rpc_core::ResponseShortcut::offer_frame`).
 //! - the *rendezvous pool* ([`RdmaOptions::pool_classes`], 15 MiB by default): sources of
 //!   our pull transfers (an attachment is copied into a pool buffer, unless it already is a
 //!   view of this connection's pool, e.g. a payload received on it and echoed back, which is

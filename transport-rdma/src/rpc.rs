@@ -55,7 +55,7 @@ use rpc_core::rendezvous::{
     refuse, Credits, Direction, Incoming, Packet, Plan, Segment, Transfers, PACKET_HEADER_LEN,
     START_WINDOW,
 };
-use rpc_core::wire::{FrameRef, Kind, Limits, Message};
+use rpc_core::wire::{FrameRef, Kind, Limits, Message, HEADER_LEN};
 use rpc_core::{Config, Payload};
 use tokio::sync::{mpsc, Notify, OwnedSemaphorePermit, Semaphore};
 
@@ -359,6 +359,11 @@ impl rpc_core::Transport for RdmaTransport {
         // Unbounded, yet at most `slots` messages: a delivered message holds its slot's credit
         // until the reader takes it (see `Inbound`).
         let (in_tx, in_rx) = inbox();
+        engine.conn.offer_to(Box::new(RequestsInPlace {
+            engine: Arc::downgrade(&engine),
+            shortcut: self.shortcut.clone(),
+            taken: AtomicBool::new(false),
+        }));
         let deliver = Deliver {
             tx: in_tx,
             shortcut: self.shortcut,
@@ -481,14 +486,18 @@ impl rpc_core::DirectSend for Direct {
         self.engine().is_some_and(|e| e.conn.poll_completions())
     }
 
-    fn progress_with(&self, id: u64, take: &mut dyn FnMut(&FrameRef<'_>)) -> bool {
+    fn progress_with(
+        &self,
+        id: u64,
+        take: &mut dyn FnMut(&mut dyn rpc_core::LentFrame) -> bool,
+    ) -> bool {
         let Some(engine) = self.engine() else {
             return false;
         };
         let mut taken = false;
-        let found = engine.conn.poll_completions_offering(&mut |slot| {
+        let found = engine.conn.poll_completions_offering(&mut |slot, copy| {
             // one answer per call: anything after it goes the usual way
-            let take_it = !taken && engine.take_answer(slot, id, take);
+            let take_it = !taken && engine.lend_answer(slot, id, copy, take);
             taken |= take_it;
             take_it
         });
@@ -497,6 +506,79 @@ impl rpc_core::DirectSend for Direct {
             engine.release();
         }
         found
+    }
+}
+
+/// A server's requests, taken where they arrive: each small received message is offered,
+/// borrowed from its slot, to the server's taker of lent requests
+/// ([`rpc_core::ResponseShortcut::offer_frame`]), which runs a request it can run at once
+/// and copies out what the handler keeps (one copy into the poller's arena, as the usual
+/// path makes); no `Message` is made for the packet, and it never reaches the receive side
+/// (`Inbound`). Everything else, and a request the taker does not take, goes on as usual.
+struct RequestsInPlace {
+    engine: std::sync::Weak<Engine>,
+    shortcut: rpc_core::ResponseShortcut,
+    /// a request was taken: its slot's credit is owed once the slot is posted again
+    taken: AtomicBool,
+}
+
+impl crate::conn::Offered for RequestsInPlace {
+    fn offer(&self, msg: &[u8], copy: &mut dyn FnMut(&[u8]) -> bytes::Bytes) -> bool {
+        if !self.shortcut.takes_frames() {
+            return false;
+        }
+        let Some(engine) = self.engine.upgrade() else {
+            return false;
+        };
+        let Some(eager) = Packet::peek_eager(msg, &engine.limits) else {
+            return false;
+        };
+        if eager.frame.header.kind != Kind::Request || eager.starved {
+            return false;
+        }
+        let mut lent = Lent {
+            engine: &engine,
+            eager,
+            rest: &msg[PACKET_HEADER_LEN + HEADER_LEN..],
+            copy,
+        };
+        let taken = self.shortcut.offer_frame(&mut lent);
+        if taken {
+            self.taken.store(true, Ordering::Relaxed);
+        }
+        taken
+    }
+
+    fn reposted(&self) {
+        if self.taken.swap(false, Ordering::Relaxed) {
+            if let Some(engine) = self.engine.upgrade() {
+                engine.release();
+            }
+        }
+    }
+}
+
+/// A received packet lent where it lies: a request to the server's taker (see
+/// [`RequestsInPlace`]), an answer to its caller (`Direct::progress_with`).
+struct Lent<'a, 'c> {
+    engine: &'a Engine,
+    eager: rpc_core::rendezvous::Eager<'a>,
+    /// the frame's bytes after its fixed header
+    rest: &'a [u8],
+    copy: &'c mut dyn FnMut(&[u8]) -> bytes::Bytes,
+}
+
+impl rpc_core::LentFrame for Lent<'_, '_> {
+    fn frame(&self) -> FrameRef<'_> {
+        self.eager.frame
+    }
+
+    fn accept(&mut self) -> bool {
+        self.engine.count_received(self.eager.credits)
+    }
+
+    fn own(&mut self) -> (bytes::Bytes, rpc_core::wire::Attachments) {
+        self.eager.frame.split_copy((self.copy)(self.rest))
     }
 }
 
@@ -878,13 +960,20 @@ fn lock(m: &Mutex<Proto>) -> MutexGuard<'_, Proto> {
 }
 
 impl Engine {
-    /// Hands the answer to call `id` to `take`, borrowed from `slot` (a received packet),
-    /// if `slot` is that answer as a small eager packet (see `Packet::peek_eager`); it is
-    /// then consumed: its credits count, as in `on_packet`, and the caller owes its slot's
-    /// credit back ([`release`](Self::release)) once the slot is posted again. Anything else
-    /// (another call's answer, a packet of its sender starved of credits, a violation) is
-    /// left to `on_packet`, untouched.
-    fn take_answer(&self, slot: &[u8], id: u64, take: &mut dyn FnMut(&FrameRef<'_>)) -> bool {
+    /// Lends the answer to call `id` to `take`, borrowed from `slot` (a received packet), if
+    /// `slot` is that answer as an eager packet (see `Packet::peek_eager`); whether `take`
+    /// took it. Taken, it is consumed: its credits were counted when `take` accepted it, as
+    /// in `on_packet`, and the caller owes its slot's credit back
+    /// ([`release`](Self::release)) once the slot is posted again. Anything else (another
+    /// call's answer, a packet of its sender starved of credits, a violation) is left to
+    /// `on_packet`, untouched.
+    fn lend_answer(
+        &self,
+        slot: &[u8],
+        id: u64,
+        copy: &mut dyn FnMut(&[u8]) -> bytes::Bytes,
+        take: &mut dyn FnMut(&mut dyn rpc_core::LentFrame) -> bool,
+    ) -> bool {
         let Some(eager) = Packet::peek_eager(slot, &self.limits) else {
             return false;
         };
@@ -893,10 +982,21 @@ impl Engine {
         if header.kind != Kind::Response || header.id != id || eager.starved {
             return false;
         }
+        take(&mut Lent {
+            engine: self,
+            eager,
+            rest: &slot[PACKET_HEADER_LEN + HEADER_LEN..],
+            copy,
+        })
+    }
+
+    /// Counts a packet read in place and consumed as received, with the `credits` it returns,
+    /// as `on_packet` counts one; false (nothing counted) if that breaks the credit rule:
+    /// `on_packet` then finds the violation again and ends the connection.
+    fn count_received(&self, credits: u16) -> bool {
         {
             let mut p = lock(&self.proto);
-            // (a violation changes nothing: `on_packet` finds it again and ends the connection)
-            if p.credits.on_receive(eager.credits).is_err() {
+            if p.credits.on_receive(credits).is_err() {
                 return false;
             }
             if !p.heard {
@@ -906,7 +1006,6 @@ impl Engine {
         }
         // the credits it returned may be what a send loop waits for
         self.credits_changed();
-        take(&eager.frame);
         true
     }
 

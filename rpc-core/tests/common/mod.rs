@@ -10,9 +10,63 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::task::{Context, Poll};
 
 use futures::{Sink, Stream};
-use rpc_core::wire::Message;
-use rpc_core::DirectSend;
+use rpc_core::wire::{Attachments, FrameRef, Limits, Message, WireHeader, HEADER_LEN};
+use rpc_core::{DirectSend, LentFrame};
 use tokio::sync::mpsc;
+
+/// A whole frame lent as a transport lends one borrowed from its receive buffer
+/// ([`LentFrame`]): what `accept` answers, and whether it was asked.
+pub(crate) struct Lent {
+    bytes: Vec<u8>,
+    /// what `accept` answers
+    pub(crate) accept: bool,
+    /// whether `accept` was called
+    pub(crate) asked: bool,
+}
+
+impl Lent {
+    /// `msg` encoded, to be lent; `accept` is what `accept` answers.
+    pub(crate) fn new(msg: &Message, accept: bool) -> Lent {
+        let mut bytes = Vec::new();
+        msg.encode_into(&mut bytes);
+        Lent {
+            bytes,
+            accept,
+            asked: false,
+        }
+    }
+
+    fn parts(&self) -> (WireHeader, &[u8]) {
+        let (raw, rest) = self.bytes.split_first_chunk::<HEADER_LEN>().unwrap();
+        let limits = Limits {
+            max_message_size: 1 << 20,
+            max_attachments: 16,
+        };
+        (WireHeader::parse(raw, &limits).unwrap(), rest)
+    }
+}
+
+impl LentFrame for Lent {
+    fn frame(&self) -> FrameRef<'_> {
+        let (head, rest) = self.parts();
+        head.split_ref(rest).unwrap()
+    }
+    fn accept(&mut self) -> bool {
+        assert!(!self.asked, "accept is asked once");
+        self.asked = true;
+        self.accept
+    }
+    fn own(&mut self) -> (bytes::Bytes, Attachments) {
+        assert!(
+            self.asked && self.accept,
+            "nothing is taken before it is accepted"
+        );
+        let (head, rest) = self.parts();
+        head.split_ref(rest)
+            .unwrap()
+            .split_copy(bytes::Bytes::copy_from_slice(rest))
+    }
+}
 
 /// A fake direct sender: whether it says the link is idle, whether it takes what it is
 /// given, and the channel where what it took goes.
