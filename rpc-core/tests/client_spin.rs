@@ -357,16 +357,18 @@ async fn lent_answers_carry_their_payloads() {
 async fn an_answer_not_accepted_goes_the_usual_way() {
     let (client, server) = connect(Duration::from_secs(30));
     server.link.refuse.store(true, Ordering::SeqCst);
-    let server = twenty_calls_the_caller_receives(&client, server).await;
-    assert_eq!(server.link.found.load(Ordering::SeqCst), 20);
-    assert_eq!(server.link.lent.load(Ordering::SeqCst), 0);
-    assert_eq!(client.in_flight(), 0);
+    twenty_calls_none_lent(&client, server).await;
 }
 
 #[tokio::test(flavor = "current_thread")]
 async fn a_transport_that_does_not_lend_delivers_through_the_shortcut() {
     let (client, server) = connect_link(Duration::from_secs(30), Duration::ZERO, false);
-    let server = twenty_calls_the_caller_receives(&client, server).await;
+    twenty_calls_none_lent(&client, server).await;
+}
+
+/// [`twenty_calls_the_caller_receives`], each answer through the shortcut, none lent.
+async fn twenty_calls_none_lent(client: &Client, server: Server) {
+    let server = twenty_calls_the_caller_receives(client, server).await;
     assert_eq!(server.link.found.load(Ordering::SeqCst), 20);
     assert_eq!(server.link.lent.load(Ordering::SeqCst), 0);
     assert_eq!(client.in_flight(), 0);
