@@ -311,10 +311,9 @@ impl WireHeader {
 
     /// Splits a complete frame's bytes after the fixed header (`rest`, exactly `len` long) into
     /// body and attachments, without copying.
-    pub fn split(&self, mut rest: Bytes) -> Result<Message, FrameError> {
+    pub fn split(&self, rest: Bytes) -> Result<Message, FrameError> {
         debug_assert_eq!(rest.len() as u64, self.len);
-        let n = self.n_attach as usize;
-        if n == 0 {
+        if self.n_attach == 0 {
             // The common small frame: all body.
             return Ok(Message {
                 header: self.header,
@@ -322,25 +321,9 @@ impl WireHeader {
                 attachments: Attachments::new(),
             });
         }
-        let table = rest.split_to(8 * n);
-        let lens = table
-            .chunks_exact(8)
-            .map(|c| u64::from_le_bytes(c.try_into().expect("chunks of 8")));
-        // Validate first, so that nothing is split off a frame that turns out to be bad.
-        let mut total: u64 = 0;
-        for l in lens.clone() {
-            total = total
-                .checked_add(l)
-                .filter(|t| *t <= rest.len() as u64)
-                .ok_or(FrameError::BadLengths {
-                    id: self.header.id,
-                    len: self.len,
-                })?;
-        }
-        let body = rest.split_to(rest.len() - total as usize);
-        let attachments = lens
-            .map(|l| Payload::from(rest.split_to(l as usize)))
-            .collect();
+        // Checked in place first (the one check `split_ref` makes), so that nothing is split
+        // off a frame that turns out to be bad; then cut into views of `rest`.
+        let (body, attachments) = self.split_ref(&rest)?.split_copy(rest.clone());
         Ok(Message {
             header: self.header,
             body,

@@ -536,13 +536,9 @@ impl crate::conn::Offered for RequestsInPlace {
         if eager.frame.header.kind != Kind::Request || eager.starved {
             return false;
         }
-        let mut lent = Lent {
-            engine: &engine,
-            eager,
-            rest: &msg[PACKET_HEADER_LEN + HEADER_LEN..],
-            copy,
-        };
-        let taken = self.shortcut.offer_frame(&mut lent);
+        let taken = self
+            .shortcut
+            .offer_frame(&mut Lent::new(&engine, eager, msg, copy));
         if taken {
             self.taken.store(true, Ordering::Relaxed);
         }
@@ -566,6 +562,24 @@ struct Lent<'a, 'c> {
     /// the frame's bytes after its fixed header
     rest: &'a [u8],
     copy: &'c mut dyn FnMut(&[u8]) -> bytes::Bytes,
+}
+
+impl<'a, 'c> Lent<'a, 'c> {
+    /// `eager`, read from the received packet `slot` by `Packet::peek_eager`.
+    fn new(
+        engine: &'a Engine,
+        eager: rpc_core::rendezvous::Eager<'a>,
+        slot: &'a [u8],
+        copy: &'c mut dyn FnMut(&[u8]) -> bytes::Bytes,
+    ) -> Self {
+        Lent {
+            engine,
+            eager,
+            // (`peek_eager` read both headers, so the slot is at least that long)
+            rest: &slot[PACKET_HEADER_LEN + HEADER_LEN..],
+            copy,
+        }
+    }
 }
 
 impl rpc_core::LentFrame for Lent<'_, '_> {
@@ -982,12 +996,7 @@ impl Engine {
         if header.kind != Kind::Response || header.id != id || eager.starved {
             return false;
         }
-        take(&mut Lent {
-            engine: self,
-            eager,
-            rest: &slot[PACKET_HEADER_LEN + HEADER_LEN..],
-            copy,
-        })
+        take(&mut Lent::new(self, eager, slot, copy))
     }
 
     /// Counts a packet read in place and consumed as received, with the `credits` it returns,
