@@ -1,7 +1,7 @@
 //! A client on a transport with a direct sender: the caller of a lone call posts its request
 //! through it when the link is idle, past the writer; a busy link, a refused post, or other
 //! calls in flight leave the request to the writer as before. Answers still come through the
-//! reader either way.
+//! reader either way. A call whose arguments do not encode fails at once and sends nothing.
 //!
 //! The transport is an in-process fake: the writer and the direct sender each put what they
 //! are given on a channel of their own, and the test plays the server.
@@ -147,4 +147,33 @@ async fn with_another_call_in_flight_the_request_goes_to_the_writer() {
     assert_eq!(second.await.unwrap().unwrap(), 2);
     assert!(server.direct_sent.try_recv().is_err());
     assert!(server.written.try_recv().is_err());
+}
+
+/// Arguments that serde cannot encode.
+struct Unencodable;
+
+impl serde::Serialize for Unencodable {
+    fn serialize<S: serde::Serializer>(&self, _: S) -> Result<S::Ok, S::Error> {
+        Err(serde::ser::Error::custom("this value does not encode"))
+    }
+}
+
+#[tokio::test(flavor = "current_thread")]
+async fn arguments_that_do_not_encode_fail_the_call_and_send_nothing() {
+    let (client, mut server) = connect();
+    let outcome = client
+        .call::<Bincode, Unencodable, u64>(1, "echo", &Unencodable)
+        .await;
+    assert!(
+        matches!(outcome, Err(rpc_core::RpcError::Codec(_))),
+        "expected a codec error, got {outcome:?}"
+    );
+    assert_eq!(client.in_flight(), 0, "no call was registered");
+    assert!(server.direct_sent.try_recv().is_err());
+    assert!(server.written.try_recv().is_err());
+    // the connection goes on
+    let pending = tokio::spawn(call(&client, 7));
+    let req = next(&mut server.direct_sent).await;
+    server.answer(&req);
+    assert_eq!(pending.await.unwrap().unwrap(), 7);
 }
