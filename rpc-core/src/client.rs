@@ -522,7 +522,6 @@ impl Client {
         C: Codec,
         R: DeserializeOwned + Send + 'static,
     {
-        let inner = self.inner.clone();
         // A span per call costs ~7% of a small call's instructions even when nothing listens:
         // make one only when debug tracing is on.
         let span = if tracing::enabled!(tracing::Level::DEBUG) {
@@ -531,28 +530,19 @@ impl Client {
         } else {
             tracing::Span::none()
         };
-        async move {
-            let msg = prepared?.msg;
-            let size = msg.payload_len();
-            if size > inner.config.max_message_size {
-                return Err(RpcError::TooLarge {
-                    size,
-                    limit: inner.config.max_message_size,
-                });
-            }
-            // One of the connection's credits, held until the answer came.
-            let state = &*inner.state;
-            let _permit = match state.credits.try_acquire() {
-                Ok(p) => p,
-                Err(TryAcquireError::Closed) => return Err(RpcError::ConnectionClosed),
-                // Boxed: rarely taken, and inline it would make every call's future larger.
-                Err(TryAcquireError::NoPermits) => {
-                    Box::pin(wait_for_credit(&state.credits, deadline)).await?
-                }
-            };
-            start::<C, R>(state, msg, deadline).await
+        Call::<C, R> {
+            inner: self.inner.clone(),
+            unsent: Some(prepared.map(|p| p.msg)),
+            credit_wait: None,
+            credit: false,
+            id: 0,
+            done: false,
+            spin: SpinState::default(),
+            deadline,
+            sleep: None,
+            span,
+            decode: PhantomData,
         }
-        .instrument(span)
     }
 }
 
@@ -609,176 +599,244 @@ async fn wait_for_credit(
     acquired.map_err(|_| RpcError::ConnectionClosed)
 }
 
-/// A call of `msg`: the returned future registers it and queues it for the writer when first
-/// polled (one lock for both, with the caller's waker), then waits for the answer and decodes
-/// it with `C` as an `R`.
-fn start<C: Codec, R: DeserializeOwned>(
-    state: &State,
-    mut msg: Message,
-    deadline: Option<Instant>,
-) -> Answer<'_, C, R> {
-    if let Some(d) = deadline {
-        let left = d.saturating_duration_since(Instant::now()).as_micros();
-        // 0 means "no deadline" on the wire; an already-expired call still says 1 µs.
-        msg.header.aux = left.clamp(1, u32::MAX as u128) as u32;
-    }
-    Answer {
-        state,
-        unsent: Some(msg),
-        id: 0,
-        done: false,
-        spin: SpinState::default(),
-        deadline: deadline.map(tokio::time::sleep_until),
-        decode: PhantomData,
-    }
-}
+/// A call's wait for a credit (see [`Call::credit_wait`]).
+type CreditWait = Pin<Box<dyn Future<Output = Result<(), RpcError>> + Send>>;
 
-/// Sends its call when first polled, then waits in the call's slot for the answer, failing with
-/// `DeadlineExceeded` at `deadline`, and decodes it with `C` as an `R`. Dropped (or timed out)
-/// before the answer came, it frees the slot and tells the server to stop the handler.
+/// The future of one call ([`Client::send`]): takes one of the connection's credits (or
+/// waits for one, until the deadline), sends the call when first polled, then waits in the
+/// call's slot for the answer, failing with `DeadlineExceeded` at the deadline, and decodes it
+/// with `C` as an `R`. Dropped (or timed out) before the answer came, it frees the slot and
+/// tells the server to stop the handler.
+///
+/// One named future for the whole call, rather than an `async` block around an inner future
+/// and a tracing wrapper: it is built in place, holds no copy of the request beside its
+/// state, and enters a span only when one was made (debug tracing on). docs/latency.md,
+/// "A named call future", has the measurements.
 ///
 /// A lone call's caller that receives for itself (see [`SpinState`]) decodes a small answer
 /// where the transport received it, borrowed ([`DirectSend::progress_with`]): the answer then
 /// never passes through the call's slot.
-#[pin_project::pin_project(PinnedDrop)]
-struct Answer<'a, C, R> {
-    state: &'a State,
-    /// The request, until the first poll sends it.
-    unsent: Option<Message>,
+#[pin_project::pin_project(PinnedDrop, project = CallProj)]
+struct Call<C, R> {
+    inner: Arc<Inner>,
+    /// The request (or why it could not be encoded), until the first poll with a credit
+    /// sends it.
+    unsent: Option<Result<Message, RpcError>>,
+    /// Waits for a credit when none was free (boxed: rarely taken, and inline it would make
+    /// every call's future larger).
+    credit_wait: Option<CreditWait>,
+    /// Holds one of the connection's credits, returned when the call ends.
+    credit: bool,
     id: u64,
     /// Nothing left to undo on drop (answered, failed, cancelled, or never sent).
     done: bool,
     /// Whether, and since when, a lone call's caller receives for itself (see [`SpinState`]).
     spin: SpinState,
+    deadline: Option<Instant>,
+    /// The deadline's timer, made when the call is sent (inside the runtime).
     #[pin]
-    deadline: Option<tokio::time::Sleep>,
+    sleep: Option<tokio::time::Sleep>,
+    /// The call's span; `Span::none()` unless debug tracing was on.
+    span: tracing::Span,
     decode: PhantomData<fn() -> (C, R)>,
 }
 
-impl<C: Codec, R: DeserializeOwned> Future for Answer<'_, C, R> {
+impl<C: Codec, R: DeserializeOwned> Future for Call<C, R> {
     type Output = Result<R, RpcError>;
 
     fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
-        let this = self.project();
-        // whether to look for the answer (and perhaps spin) in this poll: always but in the
-        // first, where only a lone call (which wrote its own frame) may find it at once
-        let mut look = true;
-        if let Some(mut msg) = this.unsent.take() {
-            let writer = {
-                let mut t = this.state.lock();
-                let going_away = this.state.going_away.load(Ordering::Acquire);
-                if t.closed || going_away {
-                    *this.done = true;
-                    return Poll::Ready(Err(if t.closed {
-                        RpcError::ConnectionClosed
-                    } else {
-                        RpcError::Unavailable(
-                            "the server is shutting down (it sent go-away)".into(),
-                        )
-                    }));
-                }
-                let id = t.register(cx.waker().clone());
-                msg.header.id = id;
-                *this.id = id;
-                if t.claim_sink() {
-                    drop(t);
-                    write_own(this.state, cx, msg)
-                } else {
-                    look = false;
-                    t.queue(msg)
-                }
-            };
-            if let Some(w) = writer {
-                w.wake();
-            }
-            look &= this.state.direct.is_some();
-        } else if *this.done {
+        let mut this = self.project();
+        if *this.done {
             panic!("a call's future polled after it completed");
         }
-        // waiting for the answer
-        let mut turn = false;
-        if look {
-            let id = *this.id;
-            loop {
-                let mut t = this.state.lock();
-                let slot = t.slot(id).expect("a call owns its slot until it ends");
-                match &mut slot.state {
-                    SlotState::Waiting(w) => match w {
-                        Some(w) if w.will_wake(cx.waker()) => {}
-                        _ => *w = Some(cx.waker().clone()),
-                    },
-                    SlotState::Done(_) => {
-                        let outcome = std::mem::replace(&mut slot.state, SlotState::Free);
-                        t.release(id);
-                        drop(t);
-                        *this.done = true;
-                        let SlotState::Done(outcome) = outcome else {
-                            unreachable!("matched above")
-                        };
-                        return Poll::Ready(outcome.and_then(decode_reply::<C, R>));
-                    }
-                    SlotState::Free => unreachable!("a call owns its slot until it ends"),
-                }
-                let lone = t.waiting == 1;
-                drop(t);
-                if let (true, Some(direct)) = (lone, &this.state.direct) {
-                    // A caller whose answers all come within a burst would complete call after
-                    // call without handing its thread back (nothing on this path spends tokio's
-                    // cooperative budget), starving the thread's other tasks. Each burst that
-                    // finds something spends one unit; once the task's budget is spent, the
-                    // caller waits for one turn of the others (tokio wakes it after them).
-                    let Poll::Ready(coop) = tokio::task::coop::poll_proceed(cx) else {
-                        break;
-                    };
-                    // a small answer found in the burst is decoded where it was received
-                    let mut taken = None;
-                    let mut take = |lent: &mut dyn LentFrame| {
-                        if !lent.accept() {
-                            return false;
-                        }
-                        let f = lent.frame();
-                        let header = f.header;
-                        taken = Some(if f.attachment_bytes() == 0 {
-                            // no bytes to keep (empty payloads need none): decoded in place
-                            decode_answer::<C, R>(&header, f.body, f.to_attachments())
-                        } else {
-                            // payloads the caller keeps: copied out of the receive buffer
-                            let (body, attachments) = lent.own();
-                            decode_answer::<C, R>(&header, &body, attachments)
-                        });
-                        true
-                    };
-                    match this.spin.burst(&**direct, id, &mut take) {
-                        Spin::Found => {
-                            coop.made_progress();
-                            if let Some(answer) = taken {
-                                this.state.lock().taken(id);
-                                this.state.shortcut_answers.fetch_add(1, Ordering::Relaxed);
-                                *this.done = true;
-                                return Poll::Ready(answer);
-                            }
-                            continue;
-                        }
-                        Spin::Turn => turn = true,
-                        Spin::Off => {}
-                    }
-                }
-                break;
+        let out = poll_call::<C, R>(&mut this, cx);
+        if out.is_ready() {
+            *this.done = true;
+            if std::mem::take(this.credit) {
+                this.inner.state.credits.release();
             }
         }
-        match this.deadline.as_pin_mut().map(|d| d.poll(cx)) {
-            Some(Poll::Ready(())) => {
-                cancel(this.state, *this.id);
-                *this.done = true;
-                Poll::Ready(Err(RpcError::DeadlineExceeded))
-            }
-            _ => {
-                if turn {
-                    // the spin goes on after the runtime's other ready tasks had a turn
-                    cx.waker().wake_by_ref();
+        out
+    }
+}
+
+/// The whole of a call's poll but the returning of its credit when it ends ([`Call::poll`]).
+fn poll_call<C: Codec, R: DeserializeOwned>(
+    this: &mut CallProj<'_, C, R>,
+    cx: &mut Context<'_>,
+) -> Poll<Result<R, RpcError>> {
+    let _entered = (!this.span.is_none()).then(|| this.span.enter());
+    let state = &*this.inner.state;
+    // whether to look for the answer (and perhaps spin) in this poll: always but in the
+    // first, where only a lone call (which wrote its own frame) may find it at once
+    let mut look = true;
+    if this.unsent.is_some() {
+        if !*this.credit && this.credit_wait.is_none() {
+            // the first poll: a request that could not be encoded, or is too large, fails here
+            let size = match this.unsent.as_ref() {
+                Some(Ok(msg)) => msg.payload_len(),
+                _ => {
+                    let Some(Err(e)) = this.unsent.take() else {
+                        unreachable!("matched above")
+                    };
+                    return Poll::Ready(Err(e));
                 }
-                Poll::Pending
+            };
+            let limit = this.inner.config.max_message_size;
+            if size > limit {
+                *this.unsent = None;
+                return Poll::Ready(Err(RpcError::TooLarge { size, limit }));
             }
+            // one of the connection's credits, held until the answer came
+            match state.credits.try_acquire() {
+                Ok(p) => {
+                    p.forget();
+                    *this.credit = true;
+                }
+                Err(TryAcquireError::Closed) => {
+                    *this.unsent = None;
+                    return Poll::Ready(Err(RpcError::ConnectionClosed));
+                }
+                Err(TryAcquireError::NoPermits) => {
+                    let inner = Arc::clone(this.inner);
+                    let deadline = *this.deadline;
+                    *this.credit_wait = Some(Box::pin(async move {
+                        wait_for_credit(&inner.state.credits, deadline)
+                            .await
+                            .map(Permit::forget)
+                    }));
+                }
+            }
+        }
+        if let Some(wait) = this.credit_wait.as_mut() {
+            let got = std::task::ready!(wait.as_mut().poll(cx));
+            *this.credit_wait = None;
+            if let Err(e) = got {
+                *this.unsent = None;
+                return Poll::Ready(Err(e));
+            }
+            *this.credit = true;
+        }
+        let Some(Ok(mut msg)) = this.unsent.take() else {
+            unreachable!("checked in the first poll")
+        };
+        if let Some(d) = *this.deadline {
+            let left = d.saturating_duration_since(Instant::now()).as_micros();
+            // 0 means "no deadline" on the wire; an already-expired call still says 1 µs.
+            msg.header.aux = left.clamp(1, u32::MAX as u128) as u32;
+            this.sleep.set(Some(tokio::time::sleep_until(d)));
+        }
+        let writer = {
+            let mut t = state.lock();
+            let going_away = state.going_away.load(Ordering::Acquire);
+            if t.closed || going_away {
+                // nothing registered: nothing to cancel
+                *this.done = true;
+                return Poll::Ready(Err(if t.closed {
+                    RpcError::ConnectionClosed
+                } else {
+                    RpcError::Unavailable("the server is shutting down (it sent go-away)".into())
+                }));
+            }
+            let id = t.register(cx.waker().clone());
+            msg.header.id = id;
+            *this.id = id;
+            if t.claim_sink() {
+                drop(t);
+                write_own(state, cx, msg)
+            } else {
+                look = false;
+                t.queue(msg)
+            }
+        };
+        if let Some(w) = writer {
+            w.wake();
+        }
+        look &= state.direct.is_some();
+    }
+    // waiting for the answer
+    let mut turn = false;
+    if look {
+        let id = *this.id;
+        loop {
+            let mut t = state.lock();
+            let slot = t.slot(id).expect("a call owns its slot until it ends");
+            match &mut slot.state {
+                SlotState::Waiting(w) => match w {
+                    Some(w) if w.will_wake(cx.waker()) => {}
+                    _ => *w = Some(cx.waker().clone()),
+                },
+                SlotState::Done(_) => {
+                    let outcome = std::mem::replace(&mut slot.state, SlotState::Free);
+                    t.release(id);
+                    drop(t);
+                    *this.done = true;
+                    let SlotState::Done(outcome) = outcome else {
+                        unreachable!("matched above")
+                    };
+                    return Poll::Ready(outcome.and_then(decode_reply::<C, R>));
+                }
+                SlotState::Free => unreachable!("a call owns its slot until it ends"),
+            }
+            let lone = t.waiting == 1;
+            drop(t);
+            if let (true, Some(direct)) = (lone, &state.direct) {
+                // A caller whose answers all come within a burst would complete call after
+                // call without handing its thread back (nothing on this path spends tokio's
+                // cooperative budget), starving the thread's other tasks. Each burst that
+                // finds something spends one unit; once the task's budget is spent, the
+                // caller waits for one turn of the others (tokio wakes it after them).
+                let Poll::Ready(coop) = tokio::task::coop::poll_proceed(cx) else {
+                    break;
+                };
+                // a small answer found in the burst is decoded where it was received
+                let mut taken = None;
+                let mut take = |lent: &mut dyn LentFrame| {
+                    if !lent.accept() {
+                        return false;
+                    }
+                    let f = lent.frame();
+                    let header = f.header;
+                    taken = Some(if f.attachment_bytes() == 0 {
+                        // no bytes to keep (empty payloads need none): decoded in place
+                        decode_answer::<C, R>(&header, f.body, f.to_attachments())
+                    } else {
+                        // payloads the caller keeps: copied out of the receive buffer
+                        let (body, attachments) = lent.own();
+                        decode_answer::<C, R>(&header, &body, attachments)
+                    });
+                    true
+                };
+                match this.spin.burst(&**direct, id, &mut take) {
+                    Spin::Found => {
+                        coop.made_progress();
+                        if let Some(answer) = taken {
+                            state.lock().taken(id);
+                            state.shortcut_answers.fetch_add(1, Ordering::Relaxed);
+                            *this.done = true;
+                            return Poll::Ready(answer);
+                        }
+                        continue;
+                    }
+                    Spin::Turn => turn = true,
+                    Spin::Off => {}
+                }
+            }
+            break;
+        }
+    }
+    match this.sleep.as_mut().as_pin_mut().map(|d| d.poll(cx)) {
+        Some(Poll::Ready(())) => {
+            cancel(state, *this.id);
+            *this.done = true;
+            Poll::Ready(Err(RpcError::DeadlineExceeded))
+        }
+        _ => {
+            if turn {
+                // the spin goes on after the runtime's other ready tasks had a turn
+                cx.waker().wake_by_ref();
+            }
+            Poll::Pending
         }
     }
 }
@@ -906,10 +964,16 @@ impl Drop for SpinState {
 }
 
 #[pin_project::pinned_drop]
-impl<C, R> PinnedDrop for Answer<'_, C, R> {
+impl<C, R> PinnedDrop for Call<C, R> {
     fn drop(self: Pin<&mut Self>) {
-        if !self.done && self.unsent.is_none() {
-            cancel(self.state, self.id);
+        let this = self.project();
+        let _entered = (!this.span.is_none()).then(|| this.span.enter());
+        let state = &*this.inner.state;
+        if !*this.done && this.unsent.is_none() {
+            cancel(state, *this.id);
+        }
+        if *this.credit {
+            state.credits.release();
         }
     }
 }

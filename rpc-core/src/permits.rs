@@ -55,6 +55,14 @@ pub struct Closed;
 #[must_use = "a permit is returned as soon as it is dropped"]
 pub struct Permit<'a>(&'a Permits);
 
+impl Permit<'_> {
+    /// Keeps the permit taken with no guard to return it: its holder returns it with
+    /// [`Permits::release`] (a future that cannot hold a borrow of its own connection).
+    pub(crate) fn forget(self) {
+        std::mem::forget(self);
+    }
+}
+
 impl Drop for Permit<'_> {
     fn drop(&mut self) {
         self.0.release();
@@ -212,7 +220,8 @@ impl Permits {
         }
     }
 
-    fn release(&self) {
+    /// Returns one permit, taken before and kept without its guard ([`Permit::forget`]).
+    pub(crate) fn release(&self) {
         let before = self.state.fetch_add(1, Ordering::SeqCst);
         if self.waiting.load(Ordering::SeqCst) != 0 {
             self.wake.notify_one();
