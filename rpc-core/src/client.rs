@@ -731,7 +731,6 @@ fn poll_call<C: Codec, R: DeserializeOwned>(
             let going_away = state.going_away.load(Ordering::Acquire);
             if t.closed || going_away {
                 // nothing registered: nothing to cancel
-                *this.done = true;
                 return Poll::Ready(Err(if t.closed {
                     RpcError::ConnectionClosed
                 } else {
@@ -770,7 +769,6 @@ fn poll_call<C: Codec, R: DeserializeOwned>(
                     let outcome = std::mem::replace(&mut slot.state, SlotState::Free);
                     t.release(id);
                     drop(t);
-                    *this.done = true;
                     let SlotState::Done(outcome) = outcome else {
                         unreachable!("matched above")
                     };
@@ -813,7 +811,6 @@ fn poll_call<C: Codec, R: DeserializeOwned>(
                         if let Some(answer) = taken {
                             state.lock().taken(id);
                             state.shortcut_answers.fetch_add(1, Ordering::Relaxed);
-                            *this.done = true;
                             return Poll::Ready(answer);
                         }
                         continue;
@@ -828,7 +825,6 @@ fn poll_call<C: Codec, R: DeserializeOwned>(
     match this.sleep.as_mut().as_pin_mut().map(|d| d.poll(cx)) {
         Some(Poll::Ready(())) => {
             cancel(state, *this.id);
-            *this.done = true;
             Poll::Ready(Err(RpcError::DeadlineExceeded))
         }
         _ => {
