@@ -104,6 +104,14 @@ fn call(
     client.call::<Bincode, u64, u64>(1, "echo", &n)
 }
 
+/// A lone call of `n` that goes directly, answered by the test: it must come back as `n`.
+async fn direct_round_trip(client: &Client, server: &mut Server, n: u64) {
+    let pending = tokio::spawn(call(client, n));
+    let req = next(&mut server.direct_sent).await;
+    server.answer(&req);
+    assert_eq!(pending.await.unwrap().unwrap(), n);
+}
+
 #[tokio::test(flavor = "current_thread")]
 async fn a_lone_call_on_an_idle_link_goes_directly() {
     let (client, mut server) = connect();
@@ -177,10 +185,7 @@ async fn arguments_that_do_not_encode_fail_the_call_and_send_nothing() {
     assert!(server.direct_sent.try_recv().is_err());
     assert!(server.written.try_recv().is_err());
     // the connection goes on
-    let pending = tokio::spawn(call(&client, 7));
-    let req = next(&mut server.direct_sent).await;
-    server.answer(&req);
-    assert_eq!(pending.await.unwrap().unwrap(), 7);
+    direct_round_trip(&client, &mut server, 7).await;
 }
 
 #[tokio::test(flavor = "current_thread")]
@@ -206,10 +211,7 @@ async fn a_call_that_waits_for_a_credit_keeps_its_deadline_and_leaks_nothing() {
     server.answer(&req);
     assert_eq!(first.await.unwrap().unwrap(), 1);
     // the credit came back (a leaked one would leave the next call waiting for ever)
-    let third = tokio::spawn(call(&client, 3));
-    let req = next(&mut server.direct_sent).await;
-    server.answer(&req);
-    assert_eq!(third.await.unwrap().unwrap(), 3);
+    direct_round_trip(&client, &mut server, 3).await;
     // and a call that waited for the credit goes once it is free
     let first = tokio::spawn(call(&client, 4));
     let req = next(&mut server.direct_sent).await;
@@ -232,10 +234,7 @@ async fn a_call_that_waits_for_a_credit_keeps_its_deadline_and_leaks_nothing() {
     let cancel = next(&mut server.written).await;
     assert_eq!(cancel.header.kind, Kind::Cancel);
     assert_eq!(cancel.header.id, req.header.id);
-    let last = tokio::spawn(call(&client, 7));
-    let req = next(&mut server.direct_sent).await;
-    server.answer(&req);
-    assert_eq!(last.await.unwrap().unwrap(), 7);
+    direct_round_trip(&client, &mut server, 7).await;
 }
 
 /// A call's future is moved by whoever awaits it (an `async fn` that awaits it moves it into
