@@ -106,6 +106,11 @@ impl<V> IdSlab<V> {
         self.len == 0
     }
 
+    /// Every entry, to change in place.
+    pub fn values_mut(&mut self) -> impl Iterator<Item = &mut V> {
+        self.slots.iter_mut().filter_map(|slot| slot.1.as_mut())
+    }
+
     /// Takes out every entry (their ids are then stale).
     pub fn drain(&mut self) -> Vec<V> {
         let mut out = Vec::with_capacity(self.len);
@@ -228,6 +233,21 @@ mod tests {
         assert_eq!(s.remove(u64::from(u32::MAX)), None, "no such slot");
         assert_eq!(s.remove(c), Some("c"));
         assert_eq!(s.remove(b), Some("b"));
+        assert!(s.is_empty());
+    }
+
+    #[test]
+    fn slab_values_mut_reaches_every_entry_and_only_those() {
+        let mut s: IdSlab<u32> = IdSlab::default();
+        let ids: Vec<u64> = (0..5).map(|i| s.insert(1, i)).collect();
+        s.remove(ids[1]);
+        s.remove(ids[3]);
+        for v in s.values_mut() {
+            *v += 10;
+        }
+        assert_eq!(s.remove(ids[0]), Some(10));
+        assert_eq!(s.remove(ids[2]), Some(12));
+        assert_eq!(s.remove(ids[4]), Some(14));
         assert!(s.is_empty());
     }
 

@@ -120,6 +120,9 @@ struct Shared {
     monitor: PoolMonitor,
     /// a receive has completed: the peer has been heard from (see [`nudge_until_heard`])
     heard: AtomicBool,
+    /// Set (under the state lock) once `ConnState::closed` is: lets the hot path check that the
+    /// connection is open without taking that lock.
+    closing: AtomicBool,
     /// how often this side nudged a silent peer (see [`nudge_until_heard`])
     nudges: AtomicU32,
     /// the connection's part of its listener's shared receive queue, if it uses one (last:
@@ -300,9 +303,6 @@ struct State {
     /// tasks waiting for their work requests' completions, by work-request id (an entry goes
     /// before the QP retires its id, see `dispatch`)
     waiters: IdIndex<oneshot::Sender<Done>>,
-    /// SENDs posted with no task waiting (see `RdmaConnection::post_slot_now`): their slots go
-    /// back to the pool, and their permits are released, when they complete
-    unattended: IdIndex<(Arc<Region>, OwnedPermit)>,
     /// set once the connection is unusable: why
     closed: Option<String>,
     /// set by the first real failure (an error completion other than a flush, a driver error):
@@ -513,6 +513,10 @@ impl Shared {
     }
 
     fn check_open(&self) -> Result<(), RdmaError> {
+        // set after `closed`, under the lock: seen set, the lock then shows why
+        if !self.closing.load(Ordering::Acquire) {
+            return Ok(());
+        }
         match &lock(&self.state).closed {
             Some(why) => Err(RdmaError::Closed(Some(why.clone()))),
             None => Ok(()),
@@ -566,9 +570,11 @@ impl Shared {
                     .to_vec();
                 Ok(Some(data.into()))
             }
-            RecvEvent::Data(Mem::View { .. } | Mem::Empty, _) => Err(RdmaError::InvalidArgument(
-                "a receive completed into a WRITE's memory".into(),
-            )),
+            RecvEvent::Data(Mem::View { .. } | Mem::Empty | Mem::Send { .. }, _) => {
+                Err(RdmaError::InvalidArgument(
+                    "a receive completed into memory posted for a send".into(),
+                ))
+            }
             RecvEvent::Eof => Ok(None),
             RecvEvent::Failed { err, flushed } => {
                 // A disconnect moves the QP to the error state, which flushes the posted
@@ -588,6 +594,7 @@ impl Shared {
         let mut st = lock(&self.state);
         if st.closed.is_none() {
             st.closed = Some(why.to_string());
+            self.closing.store(true, Ordering::Release);
         }
     }
 }
@@ -889,6 +896,7 @@ impl RdmaConnection {
             large_cap: opts.large_buffer_bytes,
             monitor,
             heard: AtomicBool::new(false),
+            closing: AtomicBool::new(false),
             nudges: AtomicU32::new(0),
             srq_share,
         });
@@ -1227,14 +1235,10 @@ impl RdmaConnection {
     ) -> Result<(), RdmaError> {
         let len = slot.len;
         let slot = slot.into_region();
-        // under the state lock, so that the completion cannot be dispatched before it is known
-        let mut st = lock(&self.shared.state);
-        if let Some(why) = &st.closed {
-            return Err(RdmaError::Closed(Some(why.clone())));
-        }
-        let wr_id = self.shared.qp.post_send(&slot, 0, len)?;
-        let clash = st.unattended.insert(wr_id, (slot, permit));
-        debug_assert!(clash.is_none(), "a work-request id outlived its request");
+        self.shared.check_open()?;
+        // the QP keeps the slot and the permit until the SEND is retired: nothing of it in this
+        // connection's tables, so neither the post nor the completion takes the state lock
+        self.shared.qp.post_send_slot(slot, len, permit)?;
         Ok(())
     }
 
@@ -1498,6 +1502,7 @@ impl RdmaConnection {
             st.disconnected = true;
             if st.closed.is_none() {
                 st.closed = Some("closed locally".into());
+                self.shared.closing.store(true, Ordering::Release);
             }
         }
         let _ = self.shared.recv_tx.send(RecvEvent::Eof);
@@ -1910,6 +1915,7 @@ fn on_cm_event(shared: &Shared, ev: CmEvent) {
                 st.disconnected = true;
                 if st.closed.is_none() {
                     st.closed = Some(format!("{:?}", ev.kind).to_lowercase());
+                    shared.closing.store(true, Ordering::Release);
                 }
             }
             // Deliver what already arrived first: the rdma_cm event travels apart from the
@@ -2007,14 +2013,10 @@ fn dispatch(
         }
         // what this connection keeps for a work request leaves its tables before the QP retires
         // the request's id, which frees the id's slot for the next post
-        let (waiter, unattended) = if wc.kind == WrKind::Recv {
-            (None, None)
+        let waiter = if wc.kind == WrKind::Recv || crate::verbs::is_send_slot(wc.wr_id) {
+            None
         } else {
-            let mut st = lock(&shared.state);
-            match st.waiters.remove(wc.wr_id) {
-                Some(w) => (Some(w), None),
-                None => (None, st.unattended.remove(wc.wr_id)),
-            }
+            lock(&shared.state).waiters.remove(wc.wr_id)
         };
         let mem = shared.qp.retire(wc.wr_id);
         let op = match wc.kind {
@@ -2098,14 +2100,19 @@ fn dispatch(
                 // buffer goes to the waiter (or back to the pool if the waiter is gone)
                 let buf = match mem {
                     Some(Mem::Pool(b)) => Some(b),
+                    Some(Mem::Send { region, permit }) => {
+                        // the slot back in the pool before its permit is returned
+                        if wc.ok() {
+                            lock(&shared.send_pool).push(region);
+                        }
+                        drop(permit);
+                        None
+                    }
                     other => {
                         drop(other);
                         None
                     }
                 };
-                if let (true, Some((slot, _permit))) = (wc.ok(), unattended) {
-                    lock(&shared.send_pool).push(slot);
-                }
                 if let Some(w) = waiter {
                     let res = if wc.ok() {
                         Ok(())
@@ -2228,12 +2235,10 @@ fn fail_all(shared: &Shared, why: &str) {
 /// Fails every task waiting for a completion. The buffers of those requests stay with the QP
 /// until a completion retires them (then back to the pool) or the QP is destroyed.
 fn fail_waiters(shared: &Shared, why: &str) {
-    let (waiters, unattended): (Vec<_>, Vec<_>) = {
-        let mut st = lock(&shared.state);
-        (st.waiters.drain(), st.unattended.drain())
-    };
-    // their slots are not reused: they go when the QP lets go of them
-    drop(unattended);
+    let waiters = lock(&shared.state).waiters.drain();
+    // the send slots posted with no task waiting give back their permits; the slots are not
+    // reused: they go when the QP lets go of them
+    shared.qp.release_send_permits();
     for w in waiters {
         let _ = w.send(Done {
             res: Err(RdmaError::Closed(Some(why.to_string()))),

@@ -936,12 +936,22 @@ impl WrKind {
     fn of(wr_id: u64) -> WrKind {
         match wr_id >> 56 {
             1 => WrKind::Recv,
-            2 => WrKind::Send,
+            2 | SEND_SLOT_TAG => WrKind::Send,
             3 => WrKind::Write,
             4 => WrKind::Read,
             _ => WrKind::Unknown,
         }
     }
+}
+
+/// The tag of a SEND posted with [`Qp::post_send_slot`] (a [`WrKind::Send`]).
+const SEND_SLOT_TAG: u64 = 5;
+
+/// Whether `wr_id` is a SEND posted with [`Qp::post_send_slot`]: the connection keeps nothing
+/// for it in its own tables (the QP holds its slot and permit), so its completion needs no look
+/// there.
+pub(crate) fn is_send_slot(wr_id: u64) -> bool {
+    wr_id >> 56 == SEND_SLOT_TAG
 }
 
 /// Where a one-sided operation goes in the peer's memory.
@@ -967,6 +977,13 @@ pub(crate) enum Mem {
     },
     /// none: an RDMA WRITE of no bytes ([`Qp::post_empty_write`])
     Empty,
+    /// a connection's send slot, posted with no task waiting ([`Qp::post_send_slot`]), and the
+    /// permit that counts it as in flight: returned when the SEND is retired, or earlier when
+    /// the connection fails ([`Qp::release_send_permits`]); the region stays here either way
+    Send {
+        region: Arc<Region>,
+        permit: Option<rpc_core::permits::OwnedPermit>,
+    },
 }
 
 struct InFlight {
@@ -1283,6 +1300,58 @@ impl Qp {
         len: usize,
     ) -> Result<u64, RdmaError> {
         self.post_one(WrKind::Send, region, off, len, None)
+    }
+
+    /// Posts a signaled SEND of `region[..len]` with no task waiting for it: the QP keeps the
+    /// region and `permit` until the SEND is retired ([`Mem::Send`]). On failure both are
+    /// dropped.
+    pub(crate) fn post_send_slot(
+        &self,
+        region: Arc<Region>,
+        len: usize,
+        permit: rpc_core::permits::OwnedPermit,
+    ) -> Result<u64, RdmaError> {
+        self.check(&region, 0, len)?;
+        let (lkey, addr) = (region.mr.lkey(), region.addr(0));
+        let mut inflight = lock(&self.inflight);
+        let wr_id = inflight.insert(
+            SEND_SLOT_TAG as u8,
+            InFlight {
+                _mr: None,
+                mem: Mem::Send {
+                    region,
+                    permit: Some(permit),
+                },
+            },
+        );
+        // `..len` lies inside the region (checked above), which the entry just inserted keeps
+        // allocated and registered until this work request is retired or the QP is destroyed
+        let res = self.post_send_wr(
+            wr_id,
+            ibv_wr_opcode::IBV_WR_SEND,
+            Some((lkey, addr, len)),
+            None,
+        );
+        if let Err(e) = res {
+            inflight.remove(wr_id);
+            return Err(RdmaError::Verbs {
+                op: "ibv_post_send (SEND)",
+                source: Box::new(e),
+            });
+        }
+        Ok(wr_id)
+    }
+
+    /// Returns the permits of the SENDs posted with [`post_send_slot`](Self::post_send_slot)
+    /// and not yet retired, for a connection that failed: their completions may never be
+    /// polled. Their regions stay until the QP lets go of them.
+    pub(crate) fn release_send_permits(&self) {
+        let mut inflight = lock(&self.inflight);
+        for f in inflight.values_mut() {
+            if let Mem::Send { permit, .. } = &mut f.mem {
+                drop(permit.take());
+            }
+        }
     }
 
     /// Posts a signaled RDMA WRITE of `region[off..off+len]` to `remote`.
