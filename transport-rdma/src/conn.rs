@@ -120,7 +120,7 @@ struct Shared {
     monitor: PoolMonitor,
     /// a receive has completed: the peer has been heard from (see [`nudge_until_heard`])
     heard: AtomicBool,
-    /// Set (under the state lock) once `ConnState::closed` is: lets the hot path check that the
+    /// Set (under the state lock) once `State::closed` is: lets the hot path check that the
     /// connection is open without taking that lock.
     closing: AtomicBool,
     /// how often this side nudged a silent peer (see [`nudge_until_heard`])
