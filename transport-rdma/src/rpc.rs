@@ -804,6 +804,11 @@ impl Drop for CloseOnDrop {
 /// The most messages one SEND carries (see `send_loop`).
 const MAX_BATCH: usize = 64;
 
+/// The longest packet a direct post encodes on the stack and posts inline (where the queue
+/// pair takes that much inline, `RdmaConnection::max_inline`), rather than in a send slot: a
+/// small call's request or answer is well under it.
+const INLINE_PACKET: usize = 256;
+
 /// How long a closed transport waits for its last messages to go and the peer's last `Fin`s.
 const DRAIN_LIMIT: std::time::Duration = std::time::Duration::from_secs(10);
 
@@ -1159,6 +1164,22 @@ impl Engine {
             return Ok(false);
         };
         let len = usize::try_from(Packet::batch_len(frames)).unwrap_or(usize::MAX);
+        if len <= self.conn.max_inline().min(INLINE_PACKET) {
+            // an inline SEND: encoded on the stack, copied by the post, no send slot
+            let mut packet = [0u8; INLINE_PACKET];
+            let packet = &mut packet[..len];
+            {
+                let mut p = lock(&self.proto);
+                if !p.may_send(true) {
+                    return Ok(false);
+                }
+                p.encode_packet_into(packet, |out, credits| {
+                    encode_eager(out, credits, msgs);
+                });
+            }
+            self.conn.post_inline_now(packet, permit)?;
+            return Ok(true);
+        }
         let mut slot = self.conn.send_slot(len)?;
         {
             let mut p = lock(&self.proto);

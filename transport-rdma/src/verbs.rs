@@ -979,9 +979,11 @@ pub(crate) enum Mem {
     Empty,
     /// a connection's send slot, posted with no task waiting ([`Qp::post_send_slot`]), and the
     /// permit that counts it as in flight: returned when the SEND is retired, or earlier when
-    /// the connection fails ([`Qp::release_send_permits`]); the region stays here either way
+    /// the connection fails ([`Qp::release_send_permits`]); the region stays here either way.
+    /// An inline SEND ([`Qp::post_inline_send`]) has no region: its bytes were copied as it
+    /// was posted.
     Send {
-        region: Arc<Region>,
+        region: Option<Arc<Region>>,
         permit: Option<rpc_core::permits::OwnedPermit>,
     },
 }
@@ -1047,6 +1049,10 @@ pub(crate) struct Qp {
     modify_lock: Mutex<()>,
     inflight: Mutex<IdSlab<InFlight>>,
     qp_num: u32,
+    /// The most bytes a SEND carries inline (copied into the work request as it is posted, so
+    /// the device reads no registered memory for it): what the provider granted of
+    /// [`INLINE_WANTED`], or less, down to 0.
+    max_inline: u32,
     srq: Option<Arc<Srq>>,
     device: Arc<Device>,
     _cq: Arc<Cq>,
@@ -1083,6 +1089,10 @@ impl Drop for Qp {
     }
 }
 
+/// The inline sizes asked of a provider for a new QP's SENDs, most first (see `Qp::max_inline`):
+/// a small call's request or answer is well under 256 bytes.
+const INLINE_WANTED: [u32; 4] = [256, 128, 64, 0];
+
 /// Queue sizes of a QP.
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct QpCaps {
@@ -1109,36 +1119,49 @@ impl Qp {
         }
         // SAFETY: the CQ is live (its Arc is kept in the Qp, which outlives the raw QP).
         let cq_ptr = unsafe { cq.cq.cq().as_ptr() };
-        let mut init = ibv_qp_init_attr {
-            qp_context: std::ptr::null_mut(),
-            send_cq: cq_ptr,
-            recv_cq: cq_ptr,
-            srq: srq.map_or(std::ptr::null_mut(), |s| s.srq.as_ptr()),
-            cap: ibv_qp_cap {
-                max_send_wr: caps.max_send_wr,
-                max_recv_wr: if srq.is_some() { 0 } else { caps.max_recv_wr },
-                max_send_sge: 1,
-                max_recv_sge: 1,
-                max_inline_data: 0,
-            },
-            qp_type: ibv_qp_type::IBV_QPT_RC,
-            sq_sig_all: 0,
-        };
-        // SAFETY: the PD, CQ and SRQ pointers are live objects of the same device context (each
-        // kept alive by an Arc stored in the returned Qp, which destroys the QP first); `init`
-        // is a fully initialized attribute block that the call only reads and updates.
-        let raw = unsafe { rdma_mummy_sys::ibv_create_qp(device.pd.pd().as_ptr(), &mut init) };
+        // Inline SENDs: as much as the provider grants of what we ask, trying less where it
+        // refuses (providers refuse a larger `max_inline_data` than they have; 0 always goes).
+        let mut raw = std::ptr::null_mut();
+        let mut max_inline = 0;
+        for want in INLINE_WANTED {
+            let mut init = ibv_qp_init_attr {
+                qp_context: std::ptr::null_mut(),
+                send_cq: cq_ptr,
+                recv_cq: cq_ptr,
+                srq: srq.map_or(std::ptr::null_mut(), |s| s.srq.as_ptr()),
+                cap: ibv_qp_cap {
+                    max_send_wr: caps.max_send_wr,
+                    max_recv_wr: if srq.is_some() { 0 } else { caps.max_recv_wr },
+                    max_send_sge: 1,
+                    max_recv_sge: 1,
+                    max_inline_data: want,
+                },
+                qp_type: ibv_qp_type::IBV_QPT_RC,
+                sq_sig_all: 0,
+            };
+            // SAFETY: the PD, CQ and SRQ pointers are live objects of the same device context (each
+            // kept alive by an Arc stored in the returned Qp, which destroys the QP first); `init`
+            // is a fully initialized attribute block that the call only reads and updates.
+            raw = unsafe { rdma_mummy_sys::ibv_create_qp(device.pd.pd().as_ptr(), &mut init) };
+            if !raw.is_null() {
+                // the provider writes back what it granted, which may be more than asked
+                max_inline = want.min(init.cap.max_inline_data);
+                break;
+            }
+        }
         let qp = NonNull::new(raw).ok_or_else(|| RdmaError::Verbs {
             op: "ibv_create_qp",
             source: Box::new(std::io::Error::last_os_error()),
         })?;
         // SAFETY: `qp` is the live QP just created; `qp_num` is set by the provider at creation.
         let qp_num = unsafe { qp.as_ref().qp_num };
+        tracing::debug!(qp_num, max_inline, "queue pair created");
         Ok(Arc::new(Qp {
             qp: ManuallyDrop::new(RawQp { qp }),
             modify_lock: Mutex::new(()),
             inflight: Mutex::new(IdSlab::default()),
             qp_num,
+            max_inline,
             srq: srq.cloned(),
             device: Arc::clone(device),
             _cq: Arc::clone(cq),
@@ -1147,6 +1170,11 @@ impl Qp {
 
     pub(crate) fn qp_num(&self) -> u32 {
         self.qp_num
+    }
+
+    /// The most bytes a SEND carries inline (see the field).
+    pub(crate) fn max_inline(&self) -> u32 {
+        self.max_inline
     }
 
     pub(crate) fn device(&self) -> &Arc<Device> {
@@ -1193,13 +1221,16 @@ impl Qp {
         guarded(op, || handle.modify(attr))?.map_err(verbs_err(op))
     }
 
-    /// Posts one signaled send-queue work request (`opcode`) of one scatter/gather entry.
+    /// Posts one signaled send-queue work request (`opcode`) of one scatter/gather entry;
+    /// `inline` (a SEND of at most [`Qp::max_inline`] bytes only) has the post copy the bytes
+    /// into the work request.
     fn post_send_wr(
         &self,
         wr_id: u64,
         opcode: ibv_wr_opcode::Type,
         sge: Option<(u32, u64, usize)>,
         remote: Option<RemoteAddr>,
+        inline: bool,
     ) -> Result<(), std::io::Error> {
         let (lkey, addr, len) = sge.unwrap_or_default();
         let mut entry = ibv_sge {
@@ -1216,6 +1247,13 @@ impl Qp {
         }
         wr.opcode = opcode;
         wr.send_flags = ibv_send_flags::IBV_SEND_SIGNALED.0;
+        let send = opcode == ibv_wr_opcode::IBV_WR_SEND;
+        if inline {
+            debug_assert!(send && sge.is_some() && self.inlines(len));
+            // copied into the work request by the post itself: the device reads no memory for
+            // it afterwards (saves its key lookup and DMA; on rxe and siw, a copy in the kernel)
+            wr.send_flags |= ibv_send_flags::IBV_SEND_INLINE.0;
+        }
         if let Some(r) = remote {
             // an RDMA READ/WRITE reads the union's `rdma` member, the one written here
             wr.wr = wr_t {
@@ -1225,7 +1263,6 @@ impl Qp {
                 },
             };
         }
-        let send = opcode == ibv_wr_opcode::IBV_WR_SEND;
         if send {
             crate::probe::mark(crate::probe::Point::Post);
         }
@@ -1319,7 +1356,7 @@ impl Qp {
             InFlight {
                 _mr: None,
                 mem: Mem::Send {
-                    region,
+                    region: Some(region),
                     permit: Some(permit),
                 },
             },
@@ -1331,11 +1368,65 @@ impl Qp {
             ibv_wr_opcode::IBV_WR_SEND,
             Some((lkey, addr, len)),
             None,
+            self.inlines(len),
         );
         if let Err(e) = res {
             inflight.remove(wr_id);
             return Err(RdmaError::Verbs {
                 op: "ibv_post_send (SEND)",
+                source: Box::new(e),
+            });
+        }
+        Ok(wr_id)
+    }
+
+    /// Whether a SEND of `len` bytes goes inline (see [`Qp::max_inline`]).
+    fn inlines(&self, len: usize) -> bool {
+        len <= self.max_inline as usize
+    }
+
+    /// Posts a signaled SEND of `bytes` inline (copied into the work request by the post
+    /// itself, so they need not be registered and may be reused once this returns), with no
+    /// task waiting for it: the QP keeps `permit` until the SEND is retired ([`Mem::Send`], no
+    /// region). An error if `bytes` is longer than the QP's inline size; on failure the permit
+    /// is dropped.
+    pub(crate) fn post_inline_send(
+        &self,
+        bytes: &[u8],
+        permit: rpc_core::permits::OwnedPermit,
+    ) -> Result<u64, RdmaError> {
+        if !self.inlines(bytes.len()) {
+            return Err(RdmaError::InvalidArgument(format!(
+                "{} bytes do not go inline (at most {})",
+                bytes.len(),
+                self.max_inline
+            )));
+        }
+        let mut inflight = lock(&self.inflight);
+        let wr_id = inflight.insert(
+            SEND_SLOT_TAG as u8,
+            InFlight {
+                _mr: None,
+                mem: Mem::Send {
+                    region: None,
+                    permit: Some(permit),
+                },
+            },
+        );
+        // inline (checked above): the provider copies `bytes` during the call and the device
+        // never reads them afterwards, so unregistered memory that lives only across the call
+        // is enough; the key is not checked for an inline SEND
+        let res = self.post_send_wr(
+            wr_id,
+            ibv_wr_opcode::IBV_WR_SEND,
+            Some((0, bytes.as_ptr() as u64, bytes.len())),
+            None,
+            true,
+        );
+        if let Err(e) = res {
+            inflight.remove(wr_id);
+            return Err(RdmaError::Verbs {
+                op: "ibv_post_send (inline SEND)",
                 source: Box::new(e),
             });
         }
@@ -1379,7 +1470,13 @@ impl Qp {
             },
         );
         let remote = RemoteAddr { addr: 0, rkey: 0 };
-        let res = self.post_send_wr(wr_id, ibv_wr_opcode::IBV_WR_RDMA_WRITE, None, Some(remote));
+        let res = self.post_send_wr(
+            wr_id,
+            ibv_wr_opcode::IBV_WR_RDMA_WRITE,
+            None,
+            Some(remote),
+            false,
+        );
         if let Err(e) = res {
             inflight.remove(wr_id);
             return Err(RdmaError::Verbs {
@@ -1436,7 +1533,14 @@ impl Qp {
         // the range was checked to lie inside the region, whose memory stays allocated (the Arc
         // inserted into `inflight` above) until this work request is retired or the QP is
         // destroyed; `lkey` belongs to an MR covering the whole region
-        let res = self.post_send_wr(wr_id, opcode, Some((lkey, region.addr(off), len)), remote);
+        let inline = opcode == ibv_wr_opcode::IBV_WR_SEND && self.inlines(len);
+        let res = self.post_send_wr(
+            wr_id,
+            opcode,
+            Some((lkey, region.addr(off), len)),
+            remote,
+            inline,
+        );
         if let Err(e) = res {
             inflight.remove(wr_id);
             let op = match kind {
@@ -1573,6 +1677,7 @@ impl Qp {
             ibv_wr_opcode::IBV_WR_RDMA_WRITE,
             Some((lkey, addr, len)),
             Some(remote),
+            false,
         );
         res.map(|()| wr_id).map_err(|e| {
             inflight.remove(wr_id);
@@ -1631,7 +1736,7 @@ impl Qp {
         // registered, and the buffer sits in `inflight` until retired; `lkey` is the region's
         // MR or the per-READ MR covering `addr..addr+len`, kept in `inflight` beside the buffer
         // (and dropped before it)
-        let res = self.post_send_wr(wr_id, opcode, Some((lkey, addr, len)), Some(remote));
+        let res = self.post_send_wr(wr_id, opcode, Some((lkey, addr, len)), Some(remote), false);
         let op = if kind == WrKind::Write {
             "ibv_post_send (RDMA WRITE)"
         } else {

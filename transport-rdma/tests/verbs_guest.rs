@@ -577,6 +577,70 @@ async fn small_messages_are_copied_and_their_slots_posted_again() {
     .expect("test timed out");
 }
 
+/// Small SENDs go inline: both sides' queue pairs got an inline size from the provider (at
+/// least the 64 bytes a small call's packet needs), and messages of every length from 0 to one
+/// past it (the last one not inline) arrive byte-exact and in order, four times over, posted
+/// back to back: every other one with `send` (from one of two send slots), the others with
+/// `try_send` straight from the caller's buffer (an inline SEND needs no slot), which is
+/// overwritten as soon as the post returns.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn small_sends_go_inline_byte_exact() {
+    let (dev, addr) = target(20_039);
+    let opts = RdmaOptions {
+        recv_slots: 8,
+        send_slots: 2,
+        ..RdmaOptions::default()
+    };
+    tokio::time::timeout(LIMIT, async move {
+        let (server, client) = pair(addr, opts).await;
+        let inline = client.max_inline();
+        assert!(inline >= 64, "client: {inline} bytes inline");
+        assert!(
+            server.max_inline() >= 64,
+            "server: {} bytes inline",
+            server.max_inline()
+        );
+        let msg = move |i: usize| -> Vec<u8> {
+            (0..i % (inline + 2)).map(|j| pattern(i as u8, j)).collect()
+        };
+        let count = 4 * (inline + 2);
+        let sender = tokio::spawn(async move {
+            for i in 0..count {
+                if i % 2 == 0 {
+                    client.send(&msg(i)).await.expect("send");
+                    continue;
+                }
+                // posted from this buffer (inline up to the limit: no slot), which is then
+                // overwritten at once, before the peer can have received it
+                let mut buf = msg(i);
+                while !client.try_send(&buf).expect("try_send") {
+                    client.poll_completions();
+                    tokio::task::yield_now().await;
+                }
+                buf.fill(0xee);
+                drop(buf);
+            }
+            client
+        });
+        for i in 0..count {
+            let got = server
+                .recv()
+                .await
+                .expect("recv")
+                .expect("client left early");
+            assert_eq!(got, msg(i), "message {i} ({} bytes)", i % (inline + 2));
+        }
+        let client = sender.await.expect("sender");
+        println!(
+            "device {dev}: {count} messages of 0 to {} bytes, inline up to {inline}",
+            inline + 1
+        );
+        client.close();
+    })
+    .await
+    .expect("test timed out");
+}
+
 /// A connecting side that has not heard from its peer since the set-up nudges it (an RDMA
 /// WRITE of no bytes) on iWARP, where soft-iWARP can strand a new connection's first messages
 /// until another packet arrives (see `RdmaConnection::nudges`), and never on InfiniBand/RoCE.
