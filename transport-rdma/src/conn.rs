@@ -733,6 +733,7 @@ fn prepare(
         QpCaps {
             max_send_wr,
             max_recv_wr: recv_slots as u32,
+            max_inline: opts.max_inline,
         },
         srq_share.as_ref().map(|s| &s.recv.srq),
     )?;
@@ -994,9 +995,9 @@ impl RdmaConnection {
     }
 
     /// The most bytes a SEND of this connection carries inline: copied into the work request
-    /// as it is posted, so the device reads no registered memory for it (what the provider
-    /// granted when the queue pair was made, asked for 256 and down to 0; rxe grants 256,
-    /// siw 64). A small call's request and answer go so.
+    /// as it is posted, so the device reads no registered memory for it. What the provider
+    /// granted of [`RdmaOptions::max_inline`] when the queue pair was made (rxe grants up to
+    /// 256 bytes here, siw 64). With the default, a small call's request and answer go so.
     pub fn max_inline(&self) -> usize {
         self.shared.qp.max_inline() as usize
     }

@@ -268,6 +268,13 @@ impl ReadDepth {
 /// per connection (one 16 MiB transfer, four of 4 MiB, eight of 1 MiB).
 pub const DEFAULT_INFLIGHT_BYTES: u64 = 16 << 20;
 
+/// The default [`RdmaOptions::max_inline`]: 64 bytes, a small call's request or answer (a
+/// 16-byte packet header, a 32-byte frame header and a short body). Asking for more makes every
+/// work request of the send queue larger: with 256 the busy-poll small call was no faster
+/// than without inline data on rxe, with 64 it was ~6% faster (one guest boot, 6 rounds,
+/// 2026-12-05; docs/latency.md, "Small SENDs inline").
+pub const DEFAULT_MAX_INLINE: u32 = 64;
+
 /// Tuning of a connection.
 #[derive(Debug, Clone)]
 pub struct RdmaOptions {
@@ -346,6 +353,13 @@ pub struct RdmaOptions {
     /// bytes per second as one at a time on siw, and bytes in flight beyond what fills the link
     /// only hold registered memory longer.
     pub inflight_bytes: u64,
+    /// SENDs of at most this many bytes go inline: the post copies them into the work
+    /// request, so the device reads no registered memory for them, and a small message posted
+    /// directly needs no send slot. A connection asks its provider for this much and takes
+    /// less where it refuses (the next power of two down, to 0); 0 never sends inline.
+    /// [`RdmaConnection::max_inline`] says what a connection got. The default,
+    /// [`DEFAULT_MAX_INLINE`], takes a small call's request or answer.
+    pub max_inline: u32,
 }
 
 impl Default for RdmaOptions {
@@ -366,6 +380,7 @@ impl Default for RdmaOptions {
             large_buffer_bytes: DEFAULT_LARGE_BUFFER_BYTES,
             read_depth: DEFAULT_READ_DEPTH,
             inflight_bytes: DEFAULT_INFLIGHT_BYTES,
+            max_inline: DEFAULT_MAX_INLINE,
             // 15 MiB per connection
             pool_classes: vec![
                 SizeClass {

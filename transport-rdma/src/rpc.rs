@@ -147,6 +147,13 @@ impl RdmaOptions {
                 "slot_size" => o.slot_size = num(k, v)? as usize,
                 "srq_slots" => o.srq_slots = num(k, v)? as usize,
                 "inflight_bytes" => o.inflight_bytes = num(k, v)?,
+                "max_inline" => {
+                    o.max_inline = u32::try_from(num(k, v)?).map_err(|_| {
+                        RdmaError::InvalidArgument(format!(
+                            "endpoint option max_inline={v}: too large"
+                        ))
+                    })?
+                }
                 "read_depth" => {
                     o.read_depth = u8::try_from(num(k, v)?)
                         .ok()
@@ -2113,6 +2120,12 @@ mod tests {
         assert_eq!(opts("read_depth=16").read_depth, 16);
         assert_eq!(opts("").inflight_bytes, crate::DEFAULT_INFLIGHT_BYTES);
         assert_eq!(opts("inflight_bytes=33554432").inflight_bytes, 32 << 20);
+        assert_eq!(opts("").max_inline, crate::DEFAULT_MAX_INLINE);
+        assert_eq!(opts("max_inline=0").max_inline, 0);
+        assert_eq!(opts("max_inline=200").max_inline, 200);
+        let ep: rpc_core::Endpoint = "rdma://h:1?max_inline=x".parse().unwrap();
+        let err = RdmaOptions::from_endpoint(&ep).expect_err("x").to_string();
+        assert!(err.contains("max_inline"), "{err}");
         for bad in ["0", "256", "x"] {
             let ep: rpc_core::Endpoint = format!("rdma://h:1?read_depth={bad}").parse().unwrap();
             let err = RdmaOptions::from_endpoint(&ep).expect_err(bad).to_string();

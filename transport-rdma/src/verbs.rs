@@ -1051,7 +1051,7 @@ pub(crate) struct Qp {
     qp_num: u32,
     /// The most bytes a SEND carries inline (copied into the work request as it is posted, so
     /// the device reads no registered memory for it): what the provider granted of
-    /// [`INLINE_WANTED`], or less, down to 0.
+    /// `QpCaps::max_inline`, or less, down to 0.
     max_inline: u32,
     srq: Option<Arc<Srq>>,
     device: Arc<Device>,
@@ -1089,15 +1089,13 @@ impl Drop for Qp {
     }
 }
 
-/// The inline sizes asked of a provider for a new QP's SENDs, most first (see `Qp::max_inline`):
-/// a small call's request or answer is well under 256 bytes.
-const INLINE_WANTED: [u32; 4] = [256, 128, 64, 0];
-
 /// Queue sizes of a QP.
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct QpCaps {
     pub(crate) max_send_wr: u32,
     pub(crate) max_recv_wr: u32,
+    /// inline bytes per SEND to ask for (see `Qp::max_inline`)
+    pub(crate) max_inline: u32,
 }
 
 impl Qp {
@@ -1119,11 +1117,11 @@ impl Qp {
         }
         // SAFETY: the CQ is live (its Arc is kept in the Qp, which outlives the raw QP).
         let cq_ptr = unsafe { cq.cq.cq().as_ptr() };
-        // Inline SENDs: as much as the provider grants of what we ask, trying less where it
-        // refuses (providers refuse a larger `max_inline_data` than they have; 0 always goes).
-        let mut raw = std::ptr::null_mut();
-        let mut max_inline = 0;
-        for want in INLINE_WANTED {
+        // Inline SENDs: as much as the provider grants of what we ask, trying the next power of
+        // two down where it refuses (providers refuse a larger `max_inline_data` than they have; 0 always goes).
+        let mut raw;
+        let mut want = caps.max_inline;
+        let max_inline = loop {
             let mut init = ibv_qp_init_attr {
                 qp_context: std::ptr::null_mut(),
                 send_cq: cq_ptr,
@@ -1145,10 +1143,18 @@ impl Qp {
             raw = unsafe { rdma_mummy_sys::ibv_create_qp(device.pd.pd().as_ptr(), &mut init) };
             if !raw.is_null() {
                 // the provider writes back what it granted, which may be more than asked
-                max_inline = want.min(init.cap.max_inline_data);
-                break;
+                break want.min(init.cap.max_inline_data);
             }
-        }
+            if want == 0 {
+                break 0;
+            }
+            // the next power of two down (siw takes 64, rxe 256 here)
+            want = if want > 16 {
+                (want - 1).next_power_of_two() / 2
+            } else {
+                0
+            };
+        };
         let qp = NonNull::new(raw).ok_or_else(|| RdmaError::Verbs {
             op: "ibv_create_qp",
             source: Box::new(std::io::Error::last_os_error()),

@@ -577,8 +577,8 @@ async fn small_messages_are_copied_and_their_slots_posted_again() {
     .expect("test timed out");
 }
 
-/// Small SENDs go inline: both sides' queue pairs got an inline size from the provider (at
-/// least the 64 bytes a small call's packet needs), and messages of every length from 0 to one
+/// Small SENDs go inline: both sides' queue pairs got the default inline size from the
+/// provider (64 bytes, what a small call's packet needs), and messages of every length from 0 to one
 /// past it (the last one not inline) arrive byte-exact and in order, four times over, posted
 /// back to back: every other one with `send` (from one of two send slots), the others with
 /// `try_send` straight from the caller's buffer (an inline SEND needs no slot), which is
@@ -592,14 +592,11 @@ async fn small_sends_go_inline_byte_exact() {
         ..RdmaOptions::default()
     };
     tokio::time::timeout(LIMIT, async move {
-        let (server, client) = pair(addr, opts).await;
+        let (server, client) = pair(addr, opts.clone()).await;
         let inline = client.max_inline();
-        assert!(inline >= 64, "client: {inline} bytes inline");
-        assert!(
-            server.max_inline() >= 64,
-            "server: {} bytes inline",
-            server.max_inline()
-        );
+        let want = transport_rdma::DEFAULT_MAX_INLINE as usize;
+        assert_eq!(inline, want, "client's inline bytes");
+        assert_eq!(server.max_inline(), want, "server's inline bytes");
         let msg = move |i: usize| -> Vec<u8> {
             (0..i % (inline + 2)).map(|j| pattern(i as u8, j)).collect()
         };
@@ -631,11 +628,31 @@ async fn small_sends_go_inline_byte_exact() {
             assert_eq!(got, msg(i), "message {i} ({} bytes)", i % (inline + 2));
         }
         let client = sender.await.expect("sender");
+        client.close();
+        // with inline SENDs off, the same from send slots
+        let addr = SocketAddr::new(addr.ip(), addr.port() + 1);
+        let off = RdmaOptions {
+            max_inline: 0,
+            ..opts
+        };
+        let (server, client) = pair(addr, off).await;
+        assert_eq!((client.max_inline(), server.max_inline()), (0, 0));
+        for i in 0..inline + 2 {
+            let mut buf = msg(i);
+            while !client.try_send(&buf).expect("try_send") {
+                client.poll_completions();
+                tokio::task::yield_now().await;
+            }
+            buf.fill(0xee);
+            let got = server.recv().await.expect("recv").expect("client left");
+            assert_eq!(got, msg(i), "message {i}, not inline");
+        }
+        client.close();
         println!(
-            "device {dev}: {count} messages of 0 to {} bytes, inline up to {inline}",
+            "device {dev}: {count} messages of 0 to {} bytes, inline up to {inline}; none inline \
+             with max_inline 0",
             inline + 1
         );
-        client.close();
     })
     .await
     .expect("test timed out");
