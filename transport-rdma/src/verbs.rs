@@ -1276,8 +1276,10 @@ impl Qp {
         // SAFETY: the QP is live (owned by `self`); `wr` and `entry` live across the call, which
         // copies them into the send queue; with an `sge`, the caller has checked that the local
         // range lies in memory registered under `lkey` and keeps that memory in `inflight` until
-        // the work request is retired or the QP destroyed (without one, the request touches no
-        // local memory: no scatter/gather entry, `num_sge` 0).
+        // the work request is retired or the QP destroyed, or (`inline`) that it is a SEND of at
+        // most the QP's inline size, whose bytes the call copies into the work request, so they
+        // need to be valid for reads only during the call (without an `sge`, the request touches
+        // no local memory: no scatter/gather entry, `num_sge` 0).
         let ret = unsafe { rdma_mummy_sys::ibv_post_send(self.qp.qp.as_ptr(), &mut wr, &mut bad) };
         if send {
             crate::probe::mark(crate::probe::Point::Posted);
@@ -1356,34 +1358,50 @@ impl Qp {
     ) -> Result<u64, RdmaError> {
         self.check(&region, 0, len)?;
         let (lkey, addr) = (region.mr.lkey(), region.addr(0));
-        let mut inflight = lock(&self.inflight);
-        let wr_id = inflight.insert(
-            SEND_SLOT_TAG as u8,
-            InFlight {
-                _mr: None,
-                mem: Mem::Send {
-                    region: Some(region),
-                    permit: Some(permit),
-                },
+        let entry = InFlight {
+            _mr: None,
+            mem: Mem::Send {
+                region: Some(region),
+                permit: Some(permit),
             },
-        );
-        // `..len` lies inside the region (checked above), which the entry just inserted keeps
-        // allocated and registered until this work request is retired or the QP is destroyed
-        let res = self.post_send_wr(
-            wr_id,
-            ibv_wr_opcode::IBV_WR_SEND,
+        };
+        // `..len` lies inside the region (checked above), which the entry keeps allocated and
+        // registered until this work request is retired or the QP is destroyed
+        self.post_kept(
+            SEND_SLOT_TAG as u8,
+            entry,
+            (ibv_wr_opcode::IBV_WR_SEND, "ibv_post_send (SEND)"),
             Some((lkey, addr, len)),
             None,
             self.inlines(len),
-        );
-        if let Err(e) = res {
+        )
+    }
+
+    /// Posts a signaled send-queue work request (see `post_send_wr`) whose `entry` (the memory
+    /// it uses, what else it holds) stays in the in-flight table under `tag` until the request
+    /// is retired or the QP destroyed; on failure the entry is dropped and the error names the
+    /// operation. The caller has checked that `sge` lies in memory the entry keeps allocated
+    /// and registered under its key, or that the request is an inline SEND, whose bytes the
+    /// post copies.
+    fn post_kept(
+        &self,
+        tag: u8,
+        entry: InFlight,
+        (opcode, op): (ibv_wr_opcode::Type, &'static str),
+        sge: Option<(u32, u64, usize)>,
+        remote: Option<RemoteAddr>,
+        inline: bool,
+    ) -> Result<u64, RdmaError> {
+        let mut inflight = lock(&self.inflight);
+        let wr_id = inflight.insert(tag, entry);
+        let res = self.post_send_wr(wr_id, opcode, sge, remote, inline);
+        res.map(|()| wr_id).map_err(|e| {
             inflight.remove(wr_id);
-            return Err(RdmaError::Verbs {
-                op: "ibv_post_send (SEND)",
+            RdmaError::Verbs {
+                op,
                 source: Box::new(e),
-            });
-        }
-        Ok(wr_id)
+            }
+        })
     }
 
     /// Whether a SEND of `len` bytes goes inline (see [`Qp::max_inline`]).
@@ -1408,35 +1426,24 @@ impl Qp {
                 self.max_inline
             )));
         }
-        let mut inflight = lock(&self.inflight);
-        let wr_id = inflight.insert(
-            SEND_SLOT_TAG as u8,
-            InFlight {
-                _mr: None,
-                mem: Mem::Send {
-                    region: None,
-                    permit: Some(permit),
-                },
+        let entry = InFlight {
+            _mr: None,
+            mem: Mem::Send {
+                region: None,
+                permit: Some(permit),
             },
-        );
+        };
         // inline (checked above): the provider copies `bytes` during the call and the device
         // never reads them afterwards, so unregistered memory that lives only across the call
         // is enough; the key is not checked for an inline SEND
-        let res = self.post_send_wr(
-            wr_id,
-            ibv_wr_opcode::IBV_WR_SEND,
+        self.post_kept(
+            SEND_SLOT_TAG as u8,
+            entry,
+            (ibv_wr_opcode::IBV_WR_SEND, "ibv_post_send (inline SEND)"),
             Some((0, bytes.as_ptr() as u64, bytes.len())),
             None,
             true,
-        );
-        if let Err(e) = res {
-            inflight.remove(wr_id);
-            return Err(RdmaError::Verbs {
-                op: "ibv_post_send (inline SEND)",
-                source: Box::new(e),
-            });
-        }
-        Ok(wr_id)
+        )
     }
 
     /// Returns the permits of the SENDs posted with [`post_send_slot`](Self::post_send_slot)
@@ -1467,30 +1474,22 @@ impl Qp {
     /// carries on). It still travels to the peer as a packet, which is what it is for: see
     /// `RdmaConnection`'s nudge (conn.rs).
     pub(crate) fn post_empty_write(&self) -> Result<u64, RdmaError> {
-        let mut inflight = lock(&self.inflight);
-        let wr_id = inflight.insert(
+        let entry = InFlight {
+            _mr: None,
+            mem: Mem::Empty,
+        };
+        // no scatter/gather entry: the request touches no local memory
+        self.post_kept(
             WrKind::Write.tag(),
-            InFlight {
-                _mr: None,
-                mem: Mem::Empty,
-            },
-        );
-        let remote = RemoteAddr { addr: 0, rkey: 0 };
-        let res = self.post_send_wr(
-            wr_id,
-            ibv_wr_opcode::IBV_WR_RDMA_WRITE,
+            entry,
+            (
+                ibv_wr_opcode::IBV_WR_RDMA_WRITE,
+                "ibv_post_send (empty RDMA WRITE)",
+            ),
             None,
-            Some(remote),
+            Some(RemoteAddr { addr: 0, rkey: 0 }),
             false,
-        );
-        if let Err(e) = res {
-            inflight.remove(wr_id);
-            return Err(RdmaError::Verbs {
-                op: "ibv_post_send (empty RDMA WRITE)",
-                source: Box::new(e),
-            });
-        }
-        Ok(wr_id)
+        )
     }
 
     /// Posts a signaled RDMA READ of `len` bytes at `remote` into `region[off..off+len]`.
@@ -1523,43 +1522,32 @@ impl Qp {
         let lkey = op_mr
             .as_ref()
             .map_or_else(|| region.mr.lkey(), |m| m.lkey());
-        let mut inflight = lock(&self.inflight);
-        let wr_id = inflight.insert(
-            kind.tag(),
-            InFlight {
-                _mr: op_mr,
-                mem: Mem::Region(Arc::clone(region)),
-            },
-        );
-        let opcode = match (kind, remote) {
-            (WrKind::Write, Some(_)) => ibv_wr_opcode::IBV_WR_RDMA_WRITE,
-            (WrKind::Read, Some(_)) => ibv_wr_opcode::IBV_WR_RDMA_READ,
-            _ => ibv_wr_opcode::IBV_WR_SEND,
+        let entry = InFlight {
+            _mr: op_mr,
+            mem: Mem::Region(Arc::clone(region)),
+        };
+        let (opcode, op) = match (kind, remote) {
+            (WrKind::Write, Some(_)) => (
+                ibv_wr_opcode::IBV_WR_RDMA_WRITE,
+                "ibv_post_send (RDMA WRITE)",
+            ),
+            (WrKind::Read, Some(_)) => {
+                (ibv_wr_opcode::IBV_WR_RDMA_READ, "ibv_post_send (RDMA READ)")
+            }
+            _ => (ibv_wr_opcode::IBV_WR_SEND, "ibv_post_send (SEND)"),
         };
         // the range was checked to lie inside the region, whose memory stays allocated (the Arc
-        // inserted into `inflight` above) until this work request is retired or the QP is
-        // destroyed; `lkey` belongs to an MR covering the whole region
+        // in the entry) until this work request is retired or the QP is destroyed; `lkey`
+        // belongs to an MR covering the whole region
         let inline = opcode == ibv_wr_opcode::IBV_WR_SEND && self.inlines(len);
-        let res = self.post_send_wr(
-            wr_id,
-            opcode,
+        self.post_kept(
+            kind.tag(),
+            entry,
+            (opcode, op),
             Some((lkey, region.addr(off), len)),
             remote,
             inline,
-        );
-        if let Err(e) = res {
-            inflight.remove(wr_id);
-            let op = match kind {
-                WrKind::Write => "ibv_post_send (RDMA WRITE)",
-                WrKind::Read => "ibv_post_send (RDMA READ)",
-                _ => "ibv_post_send (SEND)",
-            };
-            return Err(RdmaError::Verbs {
-                op,
-                source: Box::new(e),
-            });
-        }
-        Ok(wr_id)
+        )
     }
 
     /// Releases what a completed work request held: returns its memory.
@@ -1663,35 +1651,28 @@ impl Qp {
             )));
         }
         let lkey = region.mr.lkey();
-        let mut inflight = lock(&self.inflight);
-        let wr_id = inflight.insert(
-            WrKind::Write.tag(),
-            InFlight {
-                _mr: None,
-                mem: Mem::View {
-                    _payload: payload,
-                    _region: Arc::clone(region),
-                },
+        let entry = InFlight {
+            _mr: None,
+            mem: Mem::View {
+                _payload: payload,
+                _region: Arc::clone(region),
             },
-        );
-        // `addr..addr+len` lies inside the region (checked above), which its `Arc`, now in
-        // `inflight`, keeps allocated and registered under `lkey`; the payload beside it keeps
+        };
+        // `addr..addr+len` lies inside the region (checked above), which its `Arc`, in the
+        // entry, keeps allocated and registered under `lkey`; the payload beside it keeps
         // those bytes leased and frozen, so nothing on this side writes them while the device
         // reads them (in a write-exposed region the peer still may: see `PoolRegion`)
-        let res = self.post_send_wr(
-            wr_id,
-            ibv_wr_opcode::IBV_WR_RDMA_WRITE,
+        self.post_kept(
+            WrKind::Write.tag(),
+            entry,
+            (
+                ibv_wr_opcode::IBV_WR_RDMA_WRITE,
+                "ibv_post_send (RDMA WRITE)",
+            ),
             Some((lkey, addr, len)),
             Some(remote),
             false,
-        );
-        res.map(|()| wr_id).map_err(|e| {
-            inflight.remove(wr_id);
-            RdmaError::Verbs {
-                op: "ibv_post_send (RDMA WRITE)",
-                source: Box::new(e),
-            }
-        })
+        )
     }
 
     fn post_pool_op(
