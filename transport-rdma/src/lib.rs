@@ -3,7 +3,8 @@
 //! Connections are reliable-connected queue pairs set up with rdma_cm, which negotiates how many
 //! RDMA READs each side may have in flight ([`RdmaOptions::read_depth`]); the bytes of READs and
 //! WRITEs in flight are bounded apart from that ([`RdmaOptions::inflight_bytes`]). Small
-//! messages go by SEND into receive slots the peer posted in advance; large data by one-sided
+//! messages go by SEND into receive slots the peer posted in advance (inline, copied into the
+//! work request as it is posted, up to [`RdmaOptions::max_inline`]); large data by one-sided
 //! RDMA WRITE / READ of registered buffers. Completions reach tokio through the completion channel's fd (`AsyncFd`),
 //! after a busy-poll whose window follows the connection's round trip
 //! ([`RdmaOptions::busy_poll`], [`RdmaOptions::busy_poll_max`]): a connection whose calls follow

@@ -96,7 +96,7 @@ impl RdmaOptions {
     /// receive queue), `push_up_to=N` or
     /// `rendezvous=pull|push` (see [`RdmaOptions::push_up_to`]), `max_fallback_bytes=N`,
     /// `large_buffer_bytes=N`, `read_depth=N` (1 to 255, see [`RdmaOptions::read_depth`]),
-    /// `inflight_bytes=N`.
+    /// `inflight_bytes=N`, `max_inline=N` (see [`RdmaOptions::max_inline`]).
     /// Other options are ignored.
     pub fn from_endpoint(ep: &rpc_core::Endpoint) -> Result<RdmaOptions, RdmaError> {
         let mut o = RdmaOptions::default();
