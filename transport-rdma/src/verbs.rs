@@ -1121,7 +1121,7 @@ impl Qp {
         // two down where it refuses (providers refuse a larger `max_inline_data` than they have; 0 always goes).
         let mut raw;
         let mut want = caps.max_inline;
-        let max_inline = loop {
+        let (max_inline, failed) = loop {
             let mut init = ibv_qp_init_attr {
                 qp_context: std::ptr::null_mut(),
                 send_cq: cq_ptr,
@@ -1143,10 +1143,14 @@ impl Qp {
             raw = unsafe { rdma_mummy_sys::ibv_create_qp(device.pd.pd().as_ptr(), &mut init) };
             if !raw.is_null() {
                 // the provider writes back what it granted, which may be more than asked
-                break want.min(init.cap.max_inline_data);
+                break (want.min(init.cap.max_inline_data), None);
             }
-            if want == 0 {
-                break 0;
+            // Only a refused size (EINVAL, 22 on Linux; a provider may give it negated) is
+            // worth another try with less inline data; any other failure (out of QPs, of
+            // memory) is reported as it is.
+            let err = std::io::Error::last_os_error();
+            if want == 0 || !matches!(err.raw_os_error(), Some(22 | -22)) {
+                break (0, Some(err));
             }
             // the next power of two down (siw takes 64, rxe 256 here)
             want = if want > 16 {
@@ -1157,7 +1161,7 @@ impl Qp {
         };
         let qp = NonNull::new(raw).ok_or_else(|| RdmaError::Verbs {
             op: "ibv_create_qp",
-            source: Box::new(std::io::Error::last_os_error()),
+            source: Box::new(failed.unwrap_or_else(std::io::Error::last_os_error)),
         })?;
         // SAFETY: `qp` is the live QP just created; `qp_num` is set by the provider at creation.
         let qp_num = unsafe { qp.as_ref().qp_num };
