@@ -245,6 +245,20 @@ impl Packet {
         msg.encode_into(out);
     }
 
+    /// [`encode_eager`](Self::encode_eager) into `out`, which must be exactly
+    /// [`Packet::batch_len`] of `msg`'s [`Message::wire_len`] bytes long (it panics otherwise;
+    /// see [`Message::encode_exact`]): a small message's send path.
+    pub fn encode_eager_exact(out: &mut [u8], credits: u16, msg: &Message) {
+        let (head, frame) = out
+            .split_first_chunk_mut::<PACKET_HEADER_LEN>()
+            .expect("room for the packet header");
+        let mut h = [0u8; PACKET_HEADER_LEN];
+        h[0] = T_EAGER;
+        h[2..4].copy_from_slice(&credits.to_le_bytes());
+        *head = h;
+        msg.encode_exact(frame);
+    }
+
     /// Encodes an eager packet carrying all of `msgs`, one after the other (see
     /// [`Packet::EagerBatch`]; [`Packet::batch_len`] says how much room they take).
     pub fn encode_eager_batch<B: BufMut>(out: &mut B, credits: u16, msgs: &[Message]) {
@@ -568,6 +582,14 @@ pub struct InlineTooLarge {
 }
 
 impl Plan {
+    /// The longest packet that goes eager, for receive slots of `slot_size` bytes and an
+    /// eager threshold of `eager_threshold` (at least a bare frame's packet, and never more
+    /// than a slot): a message goes eager ([`Plan::Eager`]) if its packet, alone
+    /// ([`Packet::batch_len`] of its [`Message::wire_len`]), is no longer.
+    pub fn eager_limit(slot_size: usize, eager_threshold: usize) -> usize {
+        slot_size.min(eager_threshold.max(PACKET_HEADER_LEN + HEADER_LEN))
+    }
+
     /// Chooses how `msg` travels through slots of `slot_size` bytes: eager when the whole
     /// frame fits (and is at most `eager_threshold`), otherwise a rendezvous in `direction`
     /// if the inline part fits a slot.
@@ -578,7 +600,7 @@ impl Plan {
         direction: Direction,
     ) -> Result<Plan, InlineTooLarge> {
         let whole = PACKET_HEADER_LEN as u64 + msg.wire_len();
-        if whole <= slot_size.min(eager_threshold.max(PACKET_HEADER_LEN + HEADER_LEN)) as u64 {
+        if whole <= Plan::eager_limit(slot_size, eager_threshold) as u64 {
             return Ok(Plan::Eager);
         }
         let per_segment = match direction {

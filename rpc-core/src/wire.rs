@@ -140,6 +140,14 @@ impl Message {
     /// may be a growing buffer or a slice with room for it (a `&mut [u8]` panics when full).
     pub fn encode_head<B: BufMut>(&self, out: &mut B) {
         // Built on the stack and copied once: cheaper than nine bounds-checked puts.
+        out.put_slice(&self.head(self.payload_len()));
+        for a in &self.attachments {
+            out.put_u64_le(a.len() as u64);
+        }
+    }
+
+    /// The fixed header, for a frame of `payload_len` bytes after it.
+    fn head(&self, payload_len: u64) -> [u8; HEADER_LEN] {
         let mut head = [0u8; HEADER_LEN];
         head[0..2].copy_from_slice(&MAGIC);
         head[2] = VERSION;
@@ -149,11 +157,32 @@ impl Message {
         head[8..16].copy_from_slice(&self.header.id.to_le_bytes());
         head[16..20].copy_from_slice(&self.header.method.to_le_bytes());
         head[20..24].copy_from_slice(&self.header.aux.to_le_bytes());
-        head[24..32].copy_from_slice(&self.payload_len().to_le_bytes());
-        out.put_slice(&head);
-        for a in &self.attachments {
-            out.put_u64_le(a.len() as u64);
+        head[24..32].copy_from_slice(&payload_len.to_le_bytes());
+        head
+    }
+
+    /// Writes the whole frame into `out`, which must be exactly
+    /// [`wire_len`](Self::wire_len) bytes long (it panics otherwise): the bytes of
+    /// [`encode_into`](Self::encode_into), with one length check per part instead of one per
+    /// field, and the frame's length taken from `out` rather than summed again (a small
+    /// message's send path, where this is most of the encoding).
+    pub fn encode_exact(&self, out: &mut [u8]) {
+        let (head, rest) = out
+            .split_first_chunk_mut::<HEADER_LEN>()
+            .expect("room for the frame header");
+        *head = self.head(rest.len() as u64);
+        let (table, rest) = rest.split_at_mut(8 * self.attachments.len());
+        for (entry, a) in table.chunks_exact_mut(8).zip(&self.attachments) {
+            entry.copy_from_slice(&(a.len() as u64).to_le_bytes());
         }
+        let (body, mut rest) = rest.split_at_mut(self.body.len());
+        body.copy_from_slice(&self.body);
+        for a in &self.attachments {
+            let (bytes, after) = rest.split_at_mut(a.len());
+            bytes.copy_from_slice(a);
+            rest = after;
+        }
+        assert!(rest.is_empty(), "a frame fills exactly its wire length");
     }
 
     /// Writes the whole frame into `out` (copies body and attachments): a growing buffer, or a

@@ -335,8 +335,9 @@ impl rpc_core::Transport for RdmaTransport {
         let inbound_units = units(self.max_fallback_bytes)
             .max(units(self.config.max_message_size) + u64::from(self.config.max_attachments));
         let (ctl_tx, ctl_rx) = mpsc::unbounded_channel();
+        let slot = conn.max_message_size();
         let engine = Arc::new(Engine {
-            slot: conn.max_message_size(),
+            slot,
             pool: conn.pool_monitor(),
             conn,
             proto: Mutex::new(Proto {
@@ -352,6 +353,7 @@ impl rpc_core::Transport for RdmaTransport {
             ctl_tx,
             limits: self.config.limits(),
             eager_threshold: self.config.eager_threshold,
+            eager_limit: Plan::eager_limit(slot, self.config.eager_threshold),
             push_up_to: self.push_up_to,
             inbound: Arc::new(Semaphore::new(
                 usize::try_from(inbound_units).unwrap_or(Semaphore::MAX_PERMITS),
@@ -468,10 +470,12 @@ impl rpc_core::DirectSend for Direct {
         let Some(engine) = self.engine() else {
             return Err(msg);
         };
-        if !engine.idle() || !engine.is_eager(&msg) {
+        // the frame's length, measured once for the test and the post
+        let frame = msg.wire_len();
+        if !engine.idle() || !engine.is_eager_frame(frame) {
             return Err(msg);
         }
-        match engine.post_direct(std::slice::from_ref(&msg), msg.wire_len()) {
+        match engine.post_direct(std::slice::from_ref(&msg), frame) {
             Ok(true) => Ok(()),
             // no credit or slot after all, or the connection is closed: through the writer,
             // which waits, or reports the end
@@ -913,11 +917,9 @@ impl Proto {
 
     /// As [`encode_packet`](Self::encode_packet), in place: into `out` (a send slot), which
     /// `encode` fills exactly.
-    fn encode_packet_into(&mut self, out: &mut [u8], encode: impl FnOnce(&mut &mut [u8], u16)) {
+    fn encode_packet_into(&mut self, out: &mut [u8], encode: impl FnOnce(&mut [u8], u16)) {
         let (credits, starved) = self.take_credits();
-        let mut rest = &mut *out;
-        encode(&mut rest, credits);
-        debug_assert!(rest.is_empty(), "a packet fills its slot's length");
+        encode(out, credits);
         if starved {
             Packet::mark_starved(out);
         }
@@ -956,6 +958,9 @@ struct Engine {
     ctl_tx: mpsc::UnboundedSender<Ctl>,
     limits: Limits,
     eager_threshold: usize,
+    /// the longest packet that goes eager (`Plan::eager_limit` of `slot` and
+    /// `eager_threshold`)
+    eager_limit: usize,
     /// messages with at most this many bulk bytes go by sender-push, larger ones by pull
     push_up_to: u64,
     /// the budget of fallback buffers for the peer's transfers into us, in `BUDGET_UNIT`s
@@ -973,11 +978,15 @@ struct Engine {
     pool: PoolMonitor,
 }
 
-/// Encodes eager messages into one packet: alone, or as a batch.
-fn encode_eager<B: bytes::BufMut>(out: &mut B, credits: u16, msgs: &[Message]) {
+/// Encodes eager messages into one packet that fills `out` exactly: alone, or as a batch.
+fn encode_eager(out: &mut [u8], credits: u16, msgs: &[Message]) {
     match msgs {
-        [one] => Packet::encode_eager(out, credits, one),
-        _ => Packet::encode_eager_batch(out, credits, msgs),
+        [one] => Packet::encode_eager_exact(out, credits, one),
+        _ => {
+            let mut rest = &mut *out;
+            Packet::encode_eager_batch(&mut rest, credits, msgs);
+            debug_assert!(rest.is_empty(), "a packet fills its slot's length");
+        }
     }
 }
 
@@ -1156,10 +1165,13 @@ impl Engine {
 
     /// Whether `msg` goes whole in one packet (then it may share one with others).
     fn is_eager(&self, msg: &Message) -> bool {
-        matches!(
-            Plan::for_message(msg, self.slot, self.eager_threshold, Direction::Pull),
-            Ok(Plan::Eager)
-        )
+        self.is_eager_frame(msg.wire_len())
+    }
+
+    /// [`is_eager`](Self::is_eager) for a message of `frame` bytes on the wire (its
+    /// `wire_len`): `Plan::for_message`'s test for `Plan::Eager`.
+    fn is_eager_frame(&self, frame: u64) -> bool {
+        Packet::batch_len(frame) <= self.eager_limit as u64
     }
 
     /// Posts eager messages (one, or several that fit one packet; `frames` bytes of frames)

@@ -82,6 +82,46 @@ fn eager_packets_encode_in_place_into_a_slice_of_their_length() {
         }
         assert!(rest.is_empty(), "the slot is filled exactly");
         assert_eq!(&slot[..], &grown[..]);
+        if !batch {
+            // the small-message path: the same bytes, the frame's length taken from the slot
+            let mut exact = vec![0xee; slot.len()];
+            Packet::encode_eager_exact(&mut exact, 4, &one);
+            assert_eq!(exact, slot);
+        }
+    }
+}
+
+#[test]
+fn the_exact_encoder_refuses_a_slot_of_another_length() {
+    // a slot one byte short or one byte long would give a frame whose header lies about its
+    // length: both panic instead of going out
+    let one = msg(1, b"sized", &[3, 0, 5]);
+    let len = Packet::batch_len(one.wire_len()) as usize;
+    for wrong in [len - 1, len + 1, 0, PACKET_HEADER_LEN + 3] {
+        let got = std::panic::catch_unwind(|| {
+            Packet::encode_eager_exact(&mut vec![0; wrong], 0, &one);
+        });
+        assert!(
+            got.is_err(),
+            "a slot of {wrong} bytes for a {len}-byte packet"
+        );
+    }
+}
+
+#[test]
+fn eager_limit_is_the_plans_eager_test() {
+    for (slot, threshold) in [(4096, 4096), (4096, 512), (512, 4096), (4096, 0), (64, 8)] {
+        let limit = Plan::eager_limit(slot, threshold);
+        for body in 0..600 {
+            let m = msg(1, &vec![0; body], &[]);
+            let eager = Packet::batch_len(m.wire_len()) <= limit as u64;
+            let plan = Plan::for_message(&m, slot, threshold, Direction::Pull);
+            assert_eq!(
+                eager,
+                plan == Ok(Plan::Eager),
+                "slot {slot}, threshold {threshold}, body {body}"
+            );
+        }
     }
 }
 
@@ -786,6 +826,23 @@ mod props {
             let (nic, _a, b) = run_pair(sent);
             prop_assert_eq!(by_id(b.delivered), expected);
             prop_assert_eq!(nic.live, 0);
+        }
+
+        /// The small-message encoder writes the bytes of the general one, for any message.
+        #[test]
+        fn the_exact_encoder_writes_what_the_growing_one_does(
+            id in any::<u64>(),
+            credits in any::<u16>(),
+            body in proptest::collection::vec(any::<u8>(), 0..200),
+            atts in proptest::collection::vec(0usize..100, 0..6),
+        ) {
+            let m = msg(id, &body, &atts);
+            let mut grown = BytesMut::new();
+            Packet::encode_eager(&mut grown, credits, &m);
+            let mut exact = vec![0x5a; Packet::batch_len(m.wire_len()) as usize];
+            Packet::encode_eager_exact(&mut exact, credits, &m);
+            prop_assert_eq!(&exact[..], &grown[..]);
+            prop_assert_eq!(parse(grown).unwrap(), (Packet::Eager(m), credits));
         }
 
         #[test]
