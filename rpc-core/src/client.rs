@@ -473,7 +473,9 @@ impl Client {
 
     /// Whether the connection is gone (calls fail with [`RpcError::ConnectionClosed`]).
     pub fn is_closed(&self) -> bool {
-        self.inner.state.closed.is_cancelled()
+        // the flag set with `closed` (the token's own test takes a lock: this is read on every
+        // call through a reconnecting client)
+        self.inner.state.is_shut()
     }
 
     /// Whether the server said it is shutting down (go-away): calls already sent are answered,
