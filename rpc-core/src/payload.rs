@@ -256,22 +256,25 @@ pub(crate) fn collect_attachments<R>(
     attachments: &mut Attachments,
     encode: impl FnOnce() -> R,
 ) -> R {
-    let prev = OUTGOING.with(|o| o.borrow_mut().replace(std::mem::take(attachments)));
-    let r = encode();
+    // one look-up of the thread-local for both swaps (the encoder's own look-ups, from
+    // `Payload::serialize`, nest inside it: no borrow is held across `encode`)
     OUTGOING.with(|o| {
-        let mut o = o.borrow_mut();
-        *attachments = o.take().unwrap_or_default();
-        *o = prev;
-    });
-    r
+        let prev = o.replace(Some(std::mem::take(attachments)));
+        let r = encode();
+        *attachments = o.replace(prev).unwrap_or_default();
+        r
+    })
 }
 
 /// Runs `decode` with `attachments` available to resolve payload indices.
 pub(crate) fn with_attachments<R>(attachments: Attachments, decode: impl FnOnce() -> R) -> R {
-    let prev = INCOMING.with(|i| i.borrow_mut().replace(attachments));
-    let r = decode();
-    INCOMING.with(|i| *i.borrow_mut() = prev);
-    r
+    // (as `collect_attachments`: one look-up, no borrow held across `decode`)
+    INCOMING.with(|i| {
+        let prev = i.replace(Some(attachments));
+        let r = decode();
+        i.replace(prev);
+        r
+    })
 }
 
 impl Serialize for Payload {
