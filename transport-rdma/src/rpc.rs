@@ -363,7 +363,10 @@ impl rpc_core::Transport for RdmaTransport {
             queued: AtomicUsize::new(0),
             batch: AtomicBool::new(false),
         });
-        let _ = self.direct.0.set(Arc::downgrade(&engine));
+        let _ = self.direct.0.set(DirectTo {
+            engine: Arc::downgrade(&engine),
+            burst: engine.conn.caller_burst(),
+        });
         let (msg_tx, msg_rx) = fmpsc::channel(64);
         // Unbounded, yet at most `slots` messages: a delivered message holds its slot's credit
         // until the reader takes it (see `Inbound`).
@@ -452,11 +455,19 @@ impl rpc_core::Transport for RdmaTransport {
 /// message than a SEND each (taking the first request of each batch here cost 64-in-flight
 /// throughput ~8% on rxe in a guest A/B, 2026-12-01).
 #[derive(Default)]
-struct Direct(OnceLock<std::sync::Weak<Engine>>);
+struct Direct(OnceLock<DirectTo>);
+
+/// What [`Direct`] sends through, set once the engine exists.
+struct DirectTo {
+    engine: std::sync::Weak<Engine>,
+    /// the connection's `caller_burst`, fixed for its life (kept here: read once per call,
+    /// with no upgrade of `engine`)
+    burst: std::time::Duration,
+}
 
 impl Direct {
     fn engine(&self) -> Option<Arc<Engine>> {
-        self.0.get().and_then(std::sync::Weak::upgrade)
+        self.0.get().and_then(|to| to.engine.upgrade())
     }
 }
 
@@ -489,8 +500,9 @@ impl rpc_core::DirectSend for Direct {
     }
 
     fn spin_burst(&self) -> std::time::Duration {
-        self.engine()
-            .map_or(std::time::Duration::ZERO, |e| e.conn.caller_burst())
+        self.0
+            .get()
+            .map_or(std::time::Duration::ZERO, |to| to.burst)
     }
 
     fn progress(&self) -> bool {
