@@ -138,12 +138,14 @@ pub(crate) fn encode_body<C: Codec, T: Serialize + ?Sized>(
 
 /// A `Bytes` holding a copy of `encoded`.
 ///
-/// A small body is a view into a per-thread 16 KiB chunk shared by many bodies (the chunk is
+/// A body of at most one byte needs no memory ([`tiny_body`](crate::wire::tiny_body)); a
+/// small body is a view into a per-thread 16 KiB chunk shared by many bodies (the chunk is
 /// freed when the last of them is dropped), so it costs a reference count instead of a
 /// `malloc` and a `free`; a larger one is allocated to size.
 fn body_bytes(encoded: &[u8]) -> Bytes {
-    if encoded.is_empty() {
-        return Bytes::new();
+    // empty, or one byte (a lone payload's index): no memory of its own
+    if let Some(tiny) = crate::wire::tiny_body(encoded) {
+        return tiny;
     }
     if encoded.len() > CHUNK_MAX_BODY {
         return Bytes::copy_from_slice(encoded);

@@ -437,6 +437,17 @@ impl<'a> FrameRef<'a> {
         (body, attachments)
     }
 
+    /// Its body and attachments, owned, without a copy, when there is nothing to copy: a
+    /// body of at most one byte ([`tiny_body`]) and attachments that hold no bytes. `None`
+    /// otherwise (then [`split_copy`](Self::split_copy) makes one copy for all of them).
+    pub fn owned_if_tiny(&self) -> Option<(Bytes, Attachments)> {
+        if self.data.is_empty() {
+            Some((tiny_body(self.body)?, self.to_attachments()))
+        } else {
+            None
+        }
+    }
+
     /// How many bytes its attachments hold together.
     pub fn attachment_bytes(&self) -> usize {
         self.data.len()
@@ -447,6 +458,34 @@ impl<'a> FrameRef<'a> {
         self.attachments()
             .map(|a| Payload::from(Bytes::copy_from_slice(a)))
             .collect()
+    }
+}
+
+/// Every byte value, for [`tiny_body`].
+static BYTE_VALUES: [u8; 256] = {
+    let mut all = [0u8; 256];
+    let mut i = 0;
+    while i < 256 {
+        all[i] = i as u8;
+        i += 1;
+    }
+    all
+};
+
+/// `body` as a `Bytes` that needs no memory of its own, if it has at most one byte: empty, or
+/// a view of a static copy of its byte. `None` for a longer body.
+///
+/// A body of one byte is common here: payloads are lifted out of the arguments and results
+/// into attachments, so a method whose argument or result is a lone [`Payload`] (a block, an
+/// object) has a body that is just that payload's index, one byte. Such a body then costs
+/// neither a copy into a shared chunk nor its reference count, on either side.
+pub fn tiny_body(body: &[u8]) -> Option<Bytes> {
+    match body {
+        [] => Some(Bytes::new()),
+        [b] => Some(Bytes::from_static(std::slice::from_ref(
+            &BYTE_VALUES[usize::from(*b)],
+        ))),
+        _ => None,
     }
 }
 

@@ -615,7 +615,11 @@ impl rpc_core::LentFrame for Lent<'_, '_> {
     }
 
     fn own(&mut self) -> (bytes::Bytes, rpc_core::wire::Attachments) {
-        self.eager.frame.split_copy((self.copy)(self.rest))
+        let frame = &self.eager.frame;
+        // nothing to copy (a body of at most one byte, empty attachments), or one copy
+        frame
+            .owned_if_tiny()
+            .unwrap_or_else(|| frame.split_copy((self.copy)(self.rest)))
     }
 }
 

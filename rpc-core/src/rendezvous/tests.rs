@@ -156,6 +156,38 @@ fn eager_batch_lies_are_violations() {
     );
 }
 
+/// A frame read in place is owned without a copy when there is nothing to copy (a body of at
+/// most one byte, attachments that hold no bytes), and equals what the copy would give;
+/// anything longer is left to the copy.
+#[test]
+fn tiny_frames_are_owned_without_a_copy() {
+    for (body, atts, tiny) in [
+        (&b""[..], &[][..], true),
+        (b"\x00", &[0, 0][..], true),
+        (b"\xff", &[][..], true),
+        (b"ab", &[][..], false),
+        (b"\x01", &[1][..], false),
+    ] {
+        let m = msg(3, body, atts);
+        let mut b = BytesMut::new();
+        Packet::encode_eager(&mut b, 0, &m);
+        let e = Packet::peek_eager(&b, &limits()).expect("an eager packet");
+        let rest = Bytes::copy_from_slice(&b[PACKET_HEADER_LEN + HEADER_LEN..]);
+        match e.frame.owned_if_tiny() {
+            Some((body, atts)) => {
+                assert!(tiny, "{m:?} taken as tiny");
+                assert_eq!((body, atts), e.frame.split_copy(rest));
+            }
+            None => assert!(!tiny, "{m:?} not taken as tiny"),
+        }
+    }
+    for b in 0..=255u8 {
+        assert_eq!(&crate::wire::tiny_body(&[b]).unwrap()[..], &[b]);
+    }
+    assert!(crate::wire::tiny_body(&[]).unwrap().is_empty());
+    assert_eq!(crate::wire::tiny_body(&[1, 2]), None);
+}
+
 /// The in-place read of an eager packet gives its frame (header, body, attachments) and
 /// credits; it leaves every other packet (batches, control packets, anything malformed) to
 /// `parse`.
