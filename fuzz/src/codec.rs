@@ -22,7 +22,7 @@ use std::fmt::Debug;
 
 use arbitrary::{Arbitrary, Unstructured};
 use bytes::{Bytes, BytesMut};
-use rpc_core::codec::{Bincode, Codec};
+use rpc_core::codec::{Bincode, Codec, MAX_DEPTH};
 use rpc_core::wire::{FrameCodec, Header, Kind, Limits, Message};
 use rpc_core::{Payload, Reply, Request, ServerErrorKind};
 use serde::de::DeserializeOwned;
@@ -138,6 +138,58 @@ pub trait Lifted: Serialize + DeserializeOwned + PartialEq + Debug + Sized {
     type Wire: Serialize;
     /// Maps payloads to indices, appending them to `atts` in serialisation order.
     fn lift(&self, atts: &mut Vec<Payload>) -> Self::Wire;
+    /// Bounds (lowest, highest) on how deep the decoder's guard counts this value's nesting
+    /// (its options, newtypes, sequences, structs, maps and enums; `rpc_core::codec::MAX_DEPTH`
+    /// is the most it decodes). The recursive types (`Op::Batch`, `Consistency::Bounded`) can
+    /// nest without limit; the others are shallow.
+    fn depth_bounds(&self) -> (usize, usize) {
+        (0, 8)
+    }
+}
+
+impl<P> Op<P> {
+    /// How many `Batch` levels its deepest path has.
+    pub fn levels(&self) -> usize {
+        match self {
+            Op::Batch(v) => 1 + v.iter().map(Op::levels).max().unwrap_or(0),
+            _ => 0,
+        }
+    }
+}
+
+impl Consistency {
+    /// How many `Bounded` levels with a fallback it has.
+    pub fn levels(&self) -> usize {
+        match self {
+            Consistency::Bounded {
+                fallback: Some(f), ..
+            } => 1 + f.levels(),
+            _ => 0,
+        }
+    }
+}
+
+/// Whether a decode's outcome fits a value of depth `bounds` ([`Lifted::depth_bounds`]):
+/// within the limit it must decode, past it it must be refused as too deep (the guard's
+/// error, never a crash), and in between either. `Some` with the value to compare if it
+/// decoded.
+fn within_depth<T, E: std::fmt::Display>(
+    what: &str,
+    bounds: (usize, usize),
+    decoded: Result<T, E>,
+) -> Option<T> {
+    let (lowest, highest) = bounds;
+    match decoded {
+        Ok(v) => {
+            assert!(
+                lowest <= MAX_DEPTH,
+                "{what}: a value nesting at least {lowest} levels decoded (limit {MAX_DEPTH})"
+            );
+            Some(v)
+        }
+        Err(e) if highest > MAX_DEPTH && e.to_string().contains("nests deeper than") => None,
+        Err(e) => panic!("{what} of an encoded value failed: {e}"),
+    }
 }
 
 fn lift_one(p: &FPayload, atts: &mut Vec<Payload>) -> u32 {
@@ -190,10 +242,24 @@ impl Lifted for Op<FPayload> {
     fn lift(&self, atts: &mut Vec<Payload>) -> Op<u32> {
         self.lift_op(atts)
     }
+    fn depth_bounds(&self) -> (usize, usize) {
+        // each `Batch` level is an enum and a sequence; the innermost operation adds an enum,
+        // its struct and an option at most
+        let n = 2 * self.levels();
+        (n, n + 4)
+    }
 }
 
 impl Lifted for Args<FPayload> {
     type Wire = Args<u32>;
+    fn depth_bounds(&self) -> (usize, usize) {
+        // inside the struct: the operations' sequence, then as `Op`'s; the consistency's
+        // enum, struct variant and option per `Bounded` level, and its innermost enum
+        let ops = self.ops.iter().map(Op::levels).max().map_or(0, |l| 2 * l);
+        let consistency = 3 * self.consistency.levels();
+        let n = ops.max(consistency);
+        (n, n + 8)
+    }
     fn lift(&self, atts: &mut Vec<Payload>) -> Args<u32> {
         // Field order: ops before blocks, as serde visits them.
         let ops = self.ops.iter().map(|o| o.lift_op(atts)).collect();
@@ -296,9 +362,11 @@ pub fn framework_round_trip<T: Lifted>(v: &T, kind: Kind, id: u64, method: u32) 
         attachments: atts.into(),
     };
     let got = through_frame_codec(&msg);
-    let back: T = Request::new(got.body, got.attachments)
-        .decode::<Bincode, T>("fuzz")
-        .unwrap_or_else(|e| panic!("framework decode of an encoded value failed: {e}"));
+    let decoded = Request::new(got.body, got.attachments).decode::<Bincode, T>("fuzz");
+    let Some(back) = within_depth("framework decode", v.depth_bounds(), decoded) else {
+        // refused as nesting too deep: bounded, as documented
+        return;
+    };
     assert_eq!(&back, v, "framework round trip");
     // The framework's own encoder must produce the same body (attachment indices in the
     // order the codec meets the payloads). `Reply` keeps its fields private; its Debug shows
@@ -312,12 +380,12 @@ pub fn framework_round_trip<T: Lifted>(v: &T, kind: Kind, id: u64, method: u32) 
 }
 
 /// The plain codec round trip (payloads as bytes).
-pub fn plain_round_trip<T: Serialize + DeserializeOwned + PartialEq + Debug>(v: &T) {
+pub fn plain_round_trip<T: Lifted>(v: &T) {
     let mut out = Vec::new();
     Bincode::encode(v, &mut out).expect("encoding a value");
-    let back: T =
-        Bincode::decode(&out).unwrap_or_else(|e| panic!("decoding an encoded {v:?} failed: {e}"));
-    assert_eq!(&back, v, "plain round trip");
+    if let Some(back) = within_depth("plain decode", v.depth_bounds(), Bincode::decode::<T>(&out)) {
+        assert_eq!(&back, v, "plain round trip");
+    }
 }
 
 /// `Bincode::decode::<T>` of arbitrary bytes.
