@@ -357,7 +357,8 @@ pub struct RdmaOptions {
     /// SENDs of at most this many bytes go inline: the post copies them into the work
     /// request, so the device reads no registered memory for them, and a small message posted
     /// directly needs no send slot. A connection asks its provider for this much and takes
-    /// less where it refuses (the next power of two down, to 0); 0 never sends inline.
+    /// less where it refuses the size (`EINVAL`: the next power of two down, to 0; any other
+    /// failure to make the queue pair is reported as it is); 0 never sends inline.
     /// [`RdmaConnection::max_inline`] says what a connection got. The default,
     /// [`DEFAULT_MAX_INLINE`], takes a small call's request or answer.
     pub max_inline: u32,
