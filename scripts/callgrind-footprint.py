@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """The code a process runs on every call: distinct instructions per call, from two callgrind runs.
 
-    callgrind-footprint.py SHORT.out LONG.out CALLS [TOP]
+    callgrind-footprint.py SHORT.out LONG.out CALLS [TOP] [--lines BINARY [ROOT]]
 
 SHORT.out and LONG.out are callgrind outputs (`--dump-instr=yes --compress-pos=no
 --compress-strings=no`) of the same program doing the same work, LONG with CALLS more calls than
@@ -11,6 +11,11 @@ often in both runs and drops out.
 
 Prints the footprint (distinct instructions), the instructions executed per call, the footprint
 per object file, and the TOP (default 25) functions with the largest share of it.
+
+With `--lines BINARY`, also the TOP source lines of BINARY (a build with line tables, e.g.
+`CARGO_PROFILE_RELEASE_DEBUG=line-tables-only`; the code is the same) that hold the most of it:
+each per-call instruction of BINARY is mapped with `addr2line -i` to the innermost line of its
+inline chain under ROOT (default: the current directory), or to its innermost line if none is.
 
 Why it matters (docs/latency.md, "Code between two posts"): under QEMU's TCG the kernel's
 work in `ibv_post_send` runs slower the more distinct user-space code ran since the last post,
@@ -44,12 +49,61 @@ def load(path):
     return cost
 
 
+def lines(per, every, binary, root, top):
+    """Prints the TOP source lines of `binary` with the most per-call instructions."""
+    name = binary.rsplit("/", 1)[-1]
+    mine = lambda ob: (ob or "").rsplit("/", 1)[-1] == name
+    # where the binary was loaded: callgrind's address of each function's first instruction
+    # against the symbol table's
+    syms = {}
+    for line in subprocess.run(["nm", "--defined-only", binary], capture_output=True,
+                               text=True, check=True).stdout.splitlines():
+        p = line.split()
+        if len(p) == 3:
+            syms.setdefault(p[2], int(p[0], 16))
+    first = {}
+    for (ob, fn, a) in every:
+        if mine(ob) and fn in syms:
+            first[fn] = min(first.get(fn, a), a)
+    deltas = collections.Counter(a - syms[fn] for fn, a in first.items())
+    if not deltas:
+        sys.exit(f"callgrind-footprint: no function of {binary} found in the outputs")
+    delta = deltas.most_common(1)[0][0]
+    addrs = sorted({a for (ob, _, a) in per if mine(ob)})
+    out = subprocess.run(["addr2line", "-a", "-i", "-e", binary],
+                         input="\n".join(f"{a - delta:#x}" for a in addrs),
+                         capture_output=True, text=True, check=True).stdout.splitlines()
+    chains, cur = [], None
+    for line in out:
+        if line.startswith("0x"):
+            cur = []
+            chains.append(cur)
+        elif cur is not None:
+            cur.append(line)
+    by_line = collections.Counter()
+    for chain in chains:
+        inside = [l for l in chain if l.startswith(root)]
+        at = (inside or chain or ["??:0"])[0]
+        by_line[at.split(" (discriminator")[0].replace(root, "", 1)] += 1
+    print(f"  {len(addrs)} of them in {name}; the {top} source lines with the most:")
+    for at, n in by_line.most_common(top):
+        print(f"  {n:5d}  {at}")
+
+
 def main():
-    if len(sys.argv) < 4:
+    args = sys.argv[1:]
+    binary = root = None
+    if "--lines" in args:
+        i = args.index("--lines")
+        binary = args[i + 1]
+        rest = args[i + 2:]
+        root = rest[0] if rest else None
+        args = args[:i]
+    if len(args) < 3:
         sys.exit(__doc__)
-    short, long_ = load(sys.argv[1]), load(sys.argv[2])
-    calls = int(sys.argv[3])
-    top = int(sys.argv[4]) if len(sys.argv) > 4 else 25
+    short, long_ = load(args[0]), load(args[1])
+    calls = int(args[2])
+    top = int(args[3]) if len(args) > 3 else 25
     if calls <= 0:
         sys.exit("callgrind-footprint: CALLS must be positive")
     per = {}
@@ -80,6 +134,9 @@ def main():
           "(distinct, executed per call, object, function):")
     for ((o, fn), n), name in zip(rows, demangled):
         print(f"  {n:5d} {ir_fn[(o, fn)] / calls:7.0f}  {o[:24]:24s} {name[:140]}")
+    if binary:
+        import os
+        lines(per, long_, binary, (root or os.getcwd()).rstrip("/") + "/", top)
 
 
 if __name__ == "__main__":

@@ -9,7 +9,8 @@
 # round trip itself moves by tens of percent between runs here.
 #
 # Usage: scripts/rdma-footprint.sh
-# Env: FOOTPRINT_DEVICES (default "rxe0"; "rxe0 siw0" for both), CARGO_TARGET_DIR,
+# Env: FOOTPRINT_DEVICES (default "rxe0"; "rxe0 siw0" for both), FOOTPRINT_FLOOR (default 1;
+#      0 measures rdma-rpc alone, without the connection layer's ping-pongs), CARGO_TARGET_DIR,
 #      RDMA_VM_DIR (image cache). Needs valgrind on the host (installed if missing); the guest
 #      runs the host's callgrind from the shared folder.
 set -euo pipefail
@@ -19,6 +20,7 @@ VM="$ROOT/scripts/rdma-vm"
 TARGET_DIR=${CARGO_TARGET_DIR:-$ROOT/target}
 OUT=$TARGET_DIR/rdma-footprint
 DEVICES=${FOOTPRINT_DEVICES:-rxe0}
+FLOOR=${FOOTPRINT_FLOOR:-1}
 
 bash "$ROOT/scripts/install-build-deps.sh"
 bash "$VM/build-image.sh"
@@ -30,8 +32,11 @@ fi
 rm -rf "$OUT"
 mkdir -p "$OUT/vg" "$OUT/cg"
 cargo build --manifest-path "$ROOT/Cargo.toml" --release --example rpc-perf --features rdma-rpc/rdma
-cargo build --manifest-path "$ROOT/Cargo.toml" --release -p transport-rdma --example verbs-pingpong
-cp "$TARGET_DIR/release/examples/rpc-perf" "$TARGET_DIR/release/examples/verbs-pingpong" "$OUT/"
+cp "$TARGET_DIR/release/examples/rpc-perf" "$OUT/"
+if [ "$FLOOR" = 1 ]; then
+  cargo build --manifest-path "$ROOT/Cargo.toml" --release -p transport-rdma --example verbs-pingpong
+  cp "$TARGET_DIR/release/examples/verbs-pingpong" "$OUT/"
+fi
 # valgrind's launcher and tools (the guest runs the same Debian release as the host's image)
 cp "$(dirname "$(readlink -f "$(command -v valgrind)")")/valgrind.bin" "$OUT/vg/" 2>/dev/null \
   || cp "$(readlink -f "$(command -v valgrind)")" "$OUT/vg/valgrind.bin"
@@ -72,6 +77,7 @@ for d in $DEVICES; do
     echo "rpc-server $d $t $(calls cli.log)" >> cg/calls.txt
     stop $srv
   done
+  [ "$FLOOR" = 1 ] || continue
   for n in 2000 4000; do
     # the connection layer's ping-pong (n rounds after a warm-up of n/10), and its lean loops
     # (--lean; with --borrow, each message borrowed from its slot: the connection layer's floor)
@@ -99,12 +105,14 @@ for d in $DEVICES; do
 done
 EOF
 
-bash "$VM/run-guest.sh" --share "$OUT" --timeout 1800 -- env DEVICES="$DEVICES" bash guest.sh
+bash "$VM/run-guest.sh" --share "$OUT" --timeout 1800 -- env DEVICES="$DEVICES" FLOOR="$FLOOR" bash guest.sh
 
 rc=0
 for d in $DEVICES; do
-  for what in rpc-client rpc-server vpp-client vpp-server vpp-lean-client vpp-lean-server \
-    vpp-lean-borrow-client vpp-lean-borrow-server; do
+  whats=(rpc-client rpc-server)
+  [ "$FLOOR" = 1 ] && whats+=(vpp-client vpp-server vpp-lean-client vpp-lean-server
+    vpp-lean-borrow-client vpp-lean-borrow-server)
+  for what in "${whats[@]}"; do
     # the pair of runs, the one with fewer calls first (under callgrind the rate varies)
     read -r s short l long < <(awk -v w="$what" -v d="$d" '$1 == w && $2 == d {print $4, $3}' \
       "$OUT/cg/calls.txt" | sort -n | awk '{printf "%s %s ", $2, $1} END {print ""}') || true

@@ -53,7 +53,7 @@ struct State {
     /// writes its own frame (see [`Table::writing`]).
     sink: Box<dyn FrameSink>,
     /// The transport's direct sender, if it has one: the caller of a lone call posts its frame
-    /// through it when the link is idle, past the writer's machinery (see [`write_own`]).
+    /// through it when the link is idle, past the writer's machinery (see [`write_direct`]).
     direct: Option<Arc<dyn DirectSend>>,
 }
 
@@ -672,6 +672,8 @@ fn poll_call<C: Codec, R: DeserializeOwned>(
     // whether to look for the answer (and perhaps spin) in this poll: always but in the
     // first, where only a lone call (which wrote its own frame) may find it at once
     let mut look = true;
+    // a lone call's caller that posted its request directly still holds the sink
+    let mut sink_held = false;
     if this.unsent.is_some() {
         if !*this.credit && this.credit_wait.is_none() {
             // the first poll: a request that could not be encoded, or is too large, fails here
@@ -719,7 +721,8 @@ fn poll_call<C: Codec, R: DeserializeOwned>(
             }
             *this.credit = true;
         }
-        let Some(Ok(mut msg)) = this.unsent.take() else {
+        // (sent by reference where it goes directly: the transport encodes it as it posts)
+        let Some(Ok(msg)) = this.unsent.as_mut() else {
             unreachable!("checked in the first poll")
         };
         if let Some(d) = *this.deadline {
@@ -733,6 +736,7 @@ fn poll_call<C: Codec, R: DeserializeOwned>(
             let going_away = state.going_away.load(Ordering::Acquire);
             if t.closed || going_away {
                 // nothing registered: nothing to cancel
+                *this.unsent = None;
                 return Poll::Ready(Err(if t.closed {
                     RpcError::ConnectionClosed
                 } else {
@@ -744,9 +748,23 @@ fn poll_call<C: Codec, R: DeserializeOwned>(
             *this.id = id;
             if t.claim_sink() {
                 drop(t);
-                write_own(state, cx, msg)
+                if write_direct(state, msg) {
+                    // the sink is given back with the first look for the answer, under the
+                    // same lock
+                    *this.unsent = None;
+                    sink_held = true;
+                    None
+                } else {
+                    let Some(Ok(msg)) = this.unsent.take() else {
+                        unreachable!("set above")
+                    };
+                    write_own(state, cx, msg)
+                }
             } else {
                 look = false;
+                let Some(Ok(msg)) = this.unsent.take() else {
+                    unreachable!("set above")
+                };
                 t.queue(msg)
             }
         };
@@ -761,6 +779,11 @@ fn poll_call<C: Codec, R: DeserializeOwned>(
         let id = *this.id;
         loop {
             let mut t = state.lock();
+            let writer = if std::mem::take(&mut sink_held) {
+                t.release_sink(false)
+            } else {
+                None
+            };
             let slot = t.slot(id).expect("a call owns its slot until it ends");
             match &mut slot.state {
                 SlotState::Waiting(w) => match w {
@@ -771,6 +794,9 @@ fn poll_call<C: Codec, R: DeserializeOwned>(
                     let outcome = std::mem::replace(&mut slot.state, SlotState::Free);
                     t.release(id);
                     drop(t);
+                    if let Some(w) = writer {
+                        w.wake();
+                    }
                     let SlotState::Done(outcome) = outcome else {
                         unreachable!("matched above")
                     };
@@ -780,6 +806,9 @@ fn poll_call<C: Codec, R: DeserializeOwned>(
             }
             let lone = t.waiting == 1;
             drop(t);
+            if let Some(w) = writer {
+                w.wake();
+            }
             if let (true, Some(direct)) = (lone, &state.direct) {
                 // A caller whose answers all come within a burst would complete call after
                 // call without handing its thread back (nothing on this path spends tokio's
@@ -870,8 +899,8 @@ enum Spin {
 /// transports, as before.
 #[derive(Default)]
 struct SpinState {
-    /// when the first burst began
-    from: Option<std::time::Instant>,
+    /// when the window ends: the transport's window as it was at the first burst, from then
+    until: Option<std::time::Instant>,
     /// the count of the thread it was counted on (a current-thread runtime's: the task stays
     /// there), until the call ends or its window is over
     counted: Option<Arc<AtomicUsize>>,
@@ -924,17 +953,24 @@ impl SpinState {
         if !alone {
             return Spin::Off;
         }
-        let window = direct.spin_window();
         let now = std::time::Instant::now();
-        let from = *self.from.get_or_insert(now);
-        if window.is_zero() || now.duration_since(from) >= window {
+        let until = match self.until {
+            Some(until) => until,
+            // (a window too long to add is as good as endless)
+            None => *self.until.insert(
+                now.checked_add(direct.spin_window())
+                    .unwrap_or(now + Duration::from_secs(3600)),
+            ),
+        };
+        if now >= until {
             self.over = true;
             self.uncount();
             return Spin::Off;
         }
         // a burst ends with the window at the latest
-        let left = window - now.duration_since(from);
-        let end = now + direct.spin_burst().max(SPIN_BURST).min(left);
+        let end = now
+            .checked_add(direct.spin_burst().max(SPIN_BURST))
+            .map_or(until, |end| end.min(until));
         loop {
             // a clock read costs as much as a few polls: look at it every few
             for _ in 0..8 {
@@ -1023,21 +1059,20 @@ fn decode_answer<C: Codec, R: DeserializeOwned>(
     }
 }
 
-/// A lone call's caller writes its own frame `msg` (it holds the sink, see
-/// [`Table::claim_sink`]): through the transport's direct sender if the link is idle, else
-/// through the sink; what the sink cannot take or flush at once is left to the writer task.
-/// Returns the writer's waker if it must be woken.
-fn write_own(state: &State, cx: &mut Context<'_>, msg: Message) -> Option<Waker> {
+/// A lone call's caller posts its own frame `msg` through the transport's direct sender (it
+/// holds the sink, see [`Table::claim_sink`]), if there is one and the link is idle: whether
+/// it went. The caller still holds the sink either way.
+fn write_direct(state: &State, msg: &Message) -> bool {
     // The writer is ours and holds nothing, so a frame that goes directly overtakes nothing.
-    // (No `ready` first: `try_send` looks at the link itself, and gives the frame back if it
-    // cannot go at once.)
-    let msg = match &state.direct {
-        Some(direct) => match direct.try_send(msg) {
-            Ok(()) => return state.lock().release_sink(false),
-            Err(msg) => msg,
-        },
-        _ => msg,
-    };
+    // (No `ready` first: `try_send` looks at the link itself, and says so if the frame cannot
+    // go at once.)
+    state.direct.as_ref().is_some_and(|d| d.try_send(msg))
+}
+
+/// A lone call's caller writes its own frame `msg` through the sink (it holds it, see
+/// [`Table::claim_sink`]) and gives the sink back; what the sink cannot take or flush at once
+/// is left to the writer task. Returns the writer's waker if it must be woken.
+fn write_own(state: &State, cx: &mut Context<'_>, msg: Message) -> Option<Waker> {
     let (unsent, flushed) = match state.sink.feed(cx, msg) {
         Ok(None) => (None, state.sink.poll_flush(cx)),
         Ok(Some(msg)) => (Some(msg), Poll::Pending),

@@ -861,7 +861,7 @@ where
         ) else {
             return;
         };
-        if let Err(answer) = self.sender.try_send(answer) {
+        if !self.sender.try_send(&answer) {
             // the link got busy meanwhile: through the connection task's writer
             let _ = self.running.outbox.send(answer);
         }

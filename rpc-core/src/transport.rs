@@ -105,10 +105,12 @@ pub trait DirectSend: Send + Sync + 'static {
     /// load, when the writer packs answers together, it leaves them to the writer).
     fn ready(&self) -> bool;
 
-    /// Sends `msg` now, or gives it back if it cannot go without waiting (then the caller
-    /// sends it through the writer). It looks at the link itself: a client calls it without
-    /// asking [`ready`](Self::ready) first.
-    fn try_send(&self, msg: Message) -> Result<(), Message>;
+    /// Sends `msg` now, if it can go without waiting: whether it went (if not, the caller sends
+    /// it through the writer). The message is encoded as it is posted, so the transport keeps
+    /// nothing of it, and the caller keeps it to send otherwise (no move of the message in and
+    /// out). It looks at the link itself: a client calls it without asking
+    /// [`ready`](Self::ready) first.
+    fn try_send(&self, msg: &Message) -> bool;
 
     /// How long the caller of a lone call may receive for itself ([`progress`](Self::progress))
     /// while it waits for its answer, counted from when it started waiting; zero (the default)

@@ -81,8 +81,8 @@ impl DirectSend for Link {
     fn ready(&self) -> bool {
         true
     }
-    fn try_send(&self, msg: Message) -> Result<(), Message> {
-        self.posted.send(msg).map_err(|e| e.0)
+    fn try_send(&self, msg: &Message) -> bool {
+        self.posted.send(msg.clone()).is_ok()
     }
     fn spin_window(&self) -> Duration {
         *self.window.lock().unwrap()

@@ -1742,15 +1742,19 @@ impl SpinWindow {
 
     /// The current window.
     fn window(&self) -> Duration {
-        let ns = if self.ceiling <= self.floor {
+        Duration::from_nanos(self.window_ns())
+    }
+
+    /// The current window, in nanoseconds (no conversion on the completion driver's turns).
+    fn window_ns(&self) -> u64 {
+        if self.ceiling <= self.floor {
             self.floor
         } else {
             self.gap
                 .load(Ordering::Relaxed)
                 .saturating_mul(2)
                 .clamp(self.floor, self.ceiling)
-        };
-        Duration::from_nanos(ns)
+        }
     }
 }
 
@@ -1818,7 +1822,7 @@ async fn drive(
                 }
             }
             let since = now.saturating_sub(last.max(shared.spin.last_by_caller()));
-            if Duration::from_nanos(since) >= shared.spin.window() {
+            if since >= shared.spin.window_ns() {
                 break;
             }
             if burst == 0 || now.saturating_sub(burst_from) >= burst {

@@ -477,21 +477,21 @@ impl rpc_core::DirectSend for Direct {
             .is_some_and(|e| e.idle() && !e.batch.load(Ordering::Relaxed))
     }
 
-    fn try_send(&self, msg: Message) -> Result<(), Message> {
+    fn try_send(&self, msg: &Message) -> bool {
         let Some(engine) = self.engine() else {
-            return Err(msg);
+            return false;
         };
         // the frame's length, measured once for the test and the post
         let frame = msg.wire_len();
         if !engine.idle() || !engine.is_eager_frame(frame) {
-            return Err(msg);
+            return false;
         }
-        match engine.post_direct(std::slice::from_ref(&msg), frame) {
-            Ok(true) => Ok(()),
-            // no credit or slot after all, or the connection is closed: through the writer,
-            // which waits, or reports the end
-            Ok(false) | Err(_) => Err(msg),
-        }
+        // not posted (no credit or slot after all, or the connection is closed): through the
+        // writer, which waits, or reports the end
+        matches!(
+            engine.post_direct(std::slice::from_ref(msg), frame),
+            Ok(true)
+        )
     }
 
     fn spin_window(&self) -> std::time::Duration {
