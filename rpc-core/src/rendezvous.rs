@@ -42,6 +42,19 @@
 //!  Cts:      n x (addr u64, len u64, rkey u32)
 //!  Fin, PushDone, Credit: nothing;  Refuse: reason u32
 //! ```
+//! A lone eager frame whose flags are zero and which has at most 255 attachments travels in the
+//! short form instead, with both headers folded into 22 bytes (the frame's magic, version and
+//! length, and the packet's unused count and transfer id, left out):
+//! ```text
+//!  0     1      2        4     5        6            14       18     22
+//!  +-----+------+--------+-----+--------+------------+--------+------+------------------+
+//!  |type |flags |credits |kind |n_attach| request id | method | aux  | table, body, ... |
+//!  +-----+------+--------+-----+--------+------------+--------+------+------------------+
+//! ```
+//! The frame's length is what the packet holds after the 22 bytes. A small call's request and
+//! answer (an empty payload: 57 bytes in the long form, 31 in this one) take one SEND each,
+//! and under emulation each byte of a SEND costs the device's work in the sender's post:
+//! docs/latency.md, "A shorter packet".
 //! `credits` returns that many receive slots to the peer on every packet. The frame's inline
 //! part is its header, attachment table and body; the attachments are the `n` segments, in
 //! order, with exactly the table's lengths.
@@ -50,10 +63,17 @@ use std::collections::HashMap;
 
 use bytes::{Buf, BufMut, Bytes, BytesMut};
 
-use crate::wire::{Attachments, FrameError, FrameRef, Limits, Message, WireHeader, HEADER_LEN};
+use crate::wire::{
+    Attachments, FrameError, FrameRef, Header, Kind, Limits, Message, WireHeader, HEADER_LEN,
+};
 
 /// Size of the packet header.
 pub const PACKET_HEADER_LEN: usize = 16;
+/// Size of a short eager packet's header: the packet's and its frame's, folded into one (see
+/// the module docs).
+pub const SHORT_HEADER_LEN: usize = 22;
+/// How many bytes the short form saves over the long one.
+const SHORT_SAVES: u64 = (PACKET_HEADER_LEN + HEADER_LEN - SHORT_HEADER_LEN) as u64;
 const SEGMENT_LEN: usize = 20;
 
 /// A peer broke the RDMA message protocol. The connection it came on is closed; nothing else
@@ -211,6 +231,8 @@ const T_PUSH_DONE: u8 = 6;
 const T_CREDIT: u8 = 7;
 const T_REFUSE: u8 = 8;
 const T_EAGER_BATCH: u8 = 9;
+/// An eager packet of one frame in the short form (see the module docs).
+const T_EAGER_SHORT: u8 = 10;
 
 /// Header flag: the sender was blocked on send credits (see [`Packet::mark_starved`]).
 const FLAG_STARVED: u8 = 1;
@@ -237,18 +259,75 @@ fn put_inline(out: &mut BytesMut, msg: &Message) {
     out.extend_from_slice(&msg.body);
 }
 
+/// Whether `msg` travels alone in the short eager form (see the module docs).
+fn is_short(msg: &Message) -> bool {
+    msg.header.flags == 0 && msg.attachments.len() <= u8::MAX as usize
+}
+
+/// The header of `msg`'s short eager packet (see [`is_short`]).
+fn short_head(credits: u16, msg: &Message) -> [u8; SHORT_HEADER_LEN] {
+    let h = &msg.header;
+    let mut head = [0u8; SHORT_HEADER_LEN];
+    head[0] = T_EAGER_SHORT;
+    head[2..4].copy_from_slice(&credits.to_le_bytes());
+    head[4] = h.kind as u8;
+    head[5] = msg.attachments.len() as u8;
+    head[6..14].copy_from_slice(&h.id.to_le_bytes());
+    head[14..18].copy_from_slice(&h.method.to_le_bytes());
+    head[18..22].copy_from_slice(&h.aux.to_le_bytes());
+    head
+}
+
+/// Reads a short eager packet's header `head` for a frame of `len` bytes after it, checked as
+/// [`WireHeader::parse`] checks a frame header.
+fn short_wire(
+    head: &[u8; SHORT_HEADER_LEN],
+    len: usize,
+    limits: &Limits,
+) -> Result<WireHeader, FrameError> {
+    let kind = Kind::from_u8(head[4]).ok_or(FrameError::UnknownKind(head[4]))?;
+    let header = Header {
+        kind,
+        flags: 0,
+        id: u64::from_le_bytes(head[6..14].try_into().expect("8 bytes")),
+        method: u32::from_le_bytes(head[14..18].try_into().expect("4 bytes")),
+        aux: u32::from_le_bytes(head[18..22].try_into().expect("4 bytes")),
+    };
+    WireHeader::check(header, u16::from(head[5]), len as u64, limits)
+}
+
 impl Packet {
-    /// Encodes an eager packet carrying all of `msg` ([`Packet::batch_len`] of its
-    /// [`Message::wire_len`] bytes): into a growing buffer, or a slice with that much room.
+    /// Encodes an eager packet carrying all of `msg` ([`Packet::eager_len`] bytes, in the
+    /// short form where it can: see the module docs): into a growing buffer, or a slice with
+    /// that much room.
     pub fn encode_eager<B: BufMut>(out: &mut B, credits: u16, msg: &Message) {
-        put_header(out, T_EAGER, credits, 0, 0);
-        msg.encode_into(out);
+        if is_short(msg) {
+            out.put_slice(&short_head(credits, msg));
+            for a in &msg.attachments {
+                out.put_u64_le(a.len() as u64);
+            }
+            out.put_slice(&msg.body);
+            for a in &msg.attachments {
+                out.put_slice(a);
+            }
+        } else {
+            put_header(out, T_EAGER, credits, 0, 0);
+            msg.encode_into(out);
+        }
     }
 
     /// [`encode_eager`](Self::encode_eager) into `out`, which must be exactly
-    /// [`Packet::batch_len`] of `msg`'s [`Message::wire_len`] bytes long (it panics otherwise;
-    /// see [`Message::encode_exact`]): a small message's send path.
+    /// [`Packet::eager_len`] bytes long (it panics otherwise; see [`Message::encode_exact`]):
+    /// a small message's send path.
     pub fn encode_eager_exact(out: &mut [u8], credits: u16, msg: &Message) {
+        if is_short(msg) {
+            let (head, rest) = out
+                .split_first_chunk_mut::<SHORT_HEADER_LEN>()
+                .expect("room for the packet header");
+            *head = short_head(credits, msg);
+            msg.encode_rest_exact(rest);
+            return;
+        }
         let (head, frame) = out
             .split_first_chunk_mut::<PACKET_HEADER_LEN>()
             .expect("room for the packet header");
@@ -257,6 +336,22 @@ impl Packet {
         h[2..4].copy_from_slice(&credits.to_le_bytes());
         *head = h;
         msg.encode_exact(frame);
+    }
+
+    /// Bytes of the eager packet that carries `msg` alone ([`encode_eager`](Self::encode_eager)).
+    pub fn eager_len(msg: &Message) -> u64 {
+        Packet::packet_len(std::slice::from_ref(msg), msg.wire_len())
+    }
+
+    /// Bytes of the eager packet that carries `msgs`, whose frames total `frames` bytes (their
+    /// [`Message::wire_len`]s): one alone, as [`eager_len`](Self::eager_len) says, or a batch
+    /// ([`batch_len`](Self::batch_len)). At most `batch_len(frames)`, so a test against that
+    /// bound holds for the packet too.
+    pub fn packet_len(msgs: &[Message], frames: u64) -> u64 {
+        match msgs {
+            [one] if is_short(one) => Packet::batch_len(frames) - SHORT_SAVES,
+            _ => Packet::batch_len(frames),
+        }
     }
 
     /// Encodes an eager packet carrying all of `msgs`, one after the other (see
@@ -337,6 +432,9 @@ impl Packet {
     /// Parses a received slot. Returns the packet and the credits it returns. Nothing in
     /// `slot` is trusted: every count and length is checked against `limits` and the slot.
     pub fn parse(mut slot: Bytes, limits: &Limits) -> Result<(Packet, u16), ProtocolViolation> {
+        if slot.first() == Some(&T_EAGER_SHORT) {
+            return parse_short(slot, limits);
+        }
         if slot.len() < PACKET_HEADER_LEN {
             return Err(ProtocolViolation::Truncated {
                 what: "packet header",
@@ -412,6 +510,16 @@ impl Packet {
     /// malformed), so a caller that falls back to it loses nothing. What this accepts, `parse`
     /// accepts as [`Packet::Eager`] with the same header, body and attachments.
     pub fn peek_eager<'s>(slot: &'s [u8], limits: &Limits) -> Option<Eager<'s>> {
+        if slot.first() == Some(&T_EAGER_SHORT) {
+            let (head, rest) = slot.split_first_chunk::<SHORT_HEADER_LEN>()?;
+            let wire = short_wire(head, rest.len(), limits).ok()?;
+            return Some(Eager {
+                frame: wire.split_ref(rest).ok()?,
+                credits: u16::from_le_bytes([head[2], head[3]]),
+                starved: head[1] & FLAG_STARVED != 0,
+                rest,
+            });
+        }
         let (head, frame) = slot.split_first_chunk::<PACKET_HEADER_LEN>()?;
         // type, flags, credits, count (unused by eager packets), id (unused)
         if head[0] != T_EAGER
@@ -429,8 +537,23 @@ impl Packet {
             frame: wire.split_ref(rest).ok()?,
             credits: u16::from_le_bytes([head[2], head[3]]),
             starved: head[1] & FLAG_STARVED != 0,
+            rest,
         })
     }
+}
+
+/// Parses a short eager packet (see the module docs): one frame, with the credits it returns.
+fn parse_short(mut slot: Bytes, limits: &Limits) -> Result<(Packet, u16), ProtocolViolation> {
+    let Some(head) = slot.first_chunk::<SHORT_HEADER_LEN>() else {
+        return Err(ProtocolViolation::Truncated {
+            what: "short eager packet header",
+            len: slot.len(),
+        });
+    };
+    let credits = u16::from_le_bytes([head[2], head[3]]);
+    let wire = short_wire(head, slot.len() - SHORT_HEADER_LEN, limits)?;
+    slot.advance(SHORT_HEADER_LEN);
+    Ok((Packet::Eager(wire.split(slot)?), credits))
 }
 
 /// A small eager packet read in place by [`Packet::peek_eager`].
@@ -442,6 +565,9 @@ pub struct Eager<'s> {
     pub credits: u16,
     /// Whether the sender was starved of credits ([`Packet::mark_starved`]).
     pub starved: bool,
+    /// The frame's bytes after its header (attachment table, body, attachments): what
+    /// [`FrameRef::split_copy`](crate::wire::FrameRef::split_copy) wants a copy of.
+    pub rest: &'s [u8],
 }
 
 /// The `n` frames of an eager batch, which must fill `slot` exactly.

@@ -55,7 +55,7 @@ pub enum Kind {
 }
 
 impl Kind {
-    fn from_u8(v: u8) -> Option<Kind> {
+    pub(crate) fn from_u8(v: u8) -> Option<Kind> {
         Some(match v {
             1 => Kind::Request,
             2 => Kind::Response,
@@ -171,7 +171,15 @@ impl Message {
             .split_first_chunk_mut::<HEADER_LEN>()
             .expect("room for the frame header");
         *head = self.head(rest.len() as u64);
-        let (table, rest) = rest.split_at_mut(8 * self.attachments.len());
+        self.encode_rest_exact(rest);
+    }
+
+    /// Writes what follows the fixed header (attachment table, body, attachments) into `out`,
+    /// which must be exactly [`payload_len`](Self::payload_len) bytes long (it panics
+    /// otherwise): for [`encode_exact`](Self::encode_exact), and for packets that carry the
+    /// header in a form of their own (the RDMA transport's short eager packet).
+    pub fn encode_rest_exact(&self, out: &mut [u8]) {
+        let (table, rest) = out.split_at_mut(8 * self.attachments.len());
         for (entry, a) in table.chunks_exact_mut(8).zip(&self.attachments) {
             entry.copy_from_slice(&(a.len() as u64).to_le_bytes());
         }
@@ -304,6 +312,28 @@ impl WireHeader {
         let method = b.get_u32_le();
         let aux = b.get_u32_le();
         let len = b.get_u64_le();
+        let header = Header {
+            kind,
+            flags,
+            id,
+            method,
+            aux,
+        };
+        WireHeader::check(header, n_attach, len, limits)
+    }
+
+    /// A header of a frame with `n_attach` attachments and `len` bytes after its fixed header,
+    /// checked as [`parse`](Self::parse) checks one it read (flags, lengths, `limits`): for
+    /// headers read from another form (the RDMA transport's short eager packet).
+    pub fn check(
+        header: Header,
+        n_attach: u16,
+        len: u64,
+        limits: &Limits,
+    ) -> Result<WireHeader, FrameError> {
+        let Header {
+            kind, flags, id, ..
+        } = header;
         if flags != 0 {
             return Err(FrameError::Flags { id, flags });
         }
@@ -326,13 +356,7 @@ impl WireHeader {
             return Err(FrameError::BadLengths { id, len });
         }
         Ok(WireHeader {
-            header: Header {
-                kind,
-                flags,
-                id,
-                method,
-                aux,
-            },
+            header,
             n_attach,
             len,
         })

@@ -270,7 +270,8 @@ impl ReadDepth {
 pub const DEFAULT_INFLIGHT_BYTES: u64 = 16 << 20;
 
 /// The default [`RdmaOptions::max_inline`]: 64 bytes, a small call's request or answer (a
-/// 16-byte packet header, a 32-byte frame header and a short body). Asking for more makes every
+/// short eager packet: 22 bytes of headers, the attachment table and a body of up to ~40
+/// bytes). Asking for more makes every
 /// work request of the send queue larger: with 256 the busy-poll small call was no faster
 /// than without inline data on rxe, with 64 it was ~6% faster (one guest boot, 6 rounds,
 /// 2026-12-05; docs/latency.md, "Small SENDs inline").

@@ -55,7 +55,7 @@ use rpc_core::rendezvous::{
     refuse, Credits, Direction, Incoming, Packet, Plan, Segment, Transfers, PACKET_HEADER_LEN,
     START_WINDOW,
 };
-use rpc_core::wire::{FrameRef, Kind, Limits, Message, HEADER_LEN};
+use rpc_core::wire::{FrameRef, Kind, Limits, Message};
 use rpc_core::{Config, Payload};
 use tokio::sync::{mpsc, Notify, OwnedSemaphorePermit, Semaphore};
 
@@ -559,9 +559,11 @@ impl crate::conn::Offered for RequestsInPlace {
         if eager.frame.header.kind != Kind::Request || eager.starved {
             return false;
         }
-        let taken = self
-            .shortcut
-            .offer_frame(&mut Lent::new(&engine, eager, msg, copy));
+        let taken = self.shortcut.offer_frame(&mut Lent {
+            engine: &engine,
+            eager,
+            copy,
+        });
         if taken {
             self.taken.store(true, Ordering::Relaxed);
         }
@@ -581,28 +583,9 @@ impl crate::conn::Offered for RequestsInPlace {
 /// [`RequestsInPlace`]), an answer to its caller (`Direct::progress_with`).
 struct Lent<'a, 'c> {
     engine: &'a Engine,
+    /// the packet, read by `Packet::peek_eager`
     eager: rpc_core::rendezvous::Eager<'a>,
-    /// the frame's bytes after its fixed header
-    rest: &'a [u8],
     copy: &'c mut dyn FnMut(&[u8]) -> bytes::Bytes,
-}
-
-impl<'a, 'c> Lent<'a, 'c> {
-    /// `eager`, read from the received packet `slot` by `Packet::peek_eager`.
-    fn new(
-        engine: &'a Engine,
-        eager: rpc_core::rendezvous::Eager<'a>,
-        slot: &'a [u8],
-        copy: &'c mut dyn FnMut(&[u8]) -> bytes::Bytes,
-    ) -> Self {
-        Lent {
-            engine,
-            eager,
-            // (`peek_eager` read both headers, so the slot is at least that long)
-            rest: &slot[PACKET_HEADER_LEN + HEADER_LEN..],
-            copy,
-        }
-    }
 }
 
 impl rpc_core::LentFrame for Lent<'_, '_> {
@@ -619,7 +602,7 @@ impl rpc_core::LentFrame for Lent<'_, '_> {
         // nothing to copy (a body of at most one byte, empty attachments), or one copy
         frame
             .owned_if_tiny()
-            .unwrap_or_else(|| frame.split_copy((self.copy)(self.rest)))
+            .unwrap_or_else(|| frame.split_copy((self.copy)(self.eager.rest)))
     }
 }
 
@@ -1033,7 +1016,11 @@ impl Engine {
         if header.kind != Kind::Response || header.id != id || eager.starved {
             return false;
         }
-        take(&mut Lent::new(self, eager, slot, copy))
+        take(&mut Lent {
+            engine: self,
+            eager,
+            copy,
+        })
     }
 
     /// Counts a packet read in place and consumed as received, with the `credits` it returns,
@@ -1114,7 +1101,7 @@ impl Engine {
     /// link for idle (and posts on its own) only once the loop has caught up. Freed at once,
     /// the writer posted each flush's worth and 64 in flight fell to 40% on rxe and siw.
     async fn send_eager(&self, msgs: &[Message], frames: u64) -> Result<SendCompletion, RdmaError> {
-        let len = usize::try_from(Packet::batch_len(frames)).unwrap_or(usize::MAX);
+        let len = usize::try_from(Packet::packet_len(msgs, frames)).unwrap_or(usize::MAX);
         let mut slot = self.conn.send_slot(len)?;
         let bytes = slot.bytes()?;
         self.when_sendable(true, |p| {
@@ -1198,7 +1185,7 @@ impl Engine {
         let Some(permit) = self.conn.try_send_slot() else {
             return Ok(false);
         };
-        let len = usize::try_from(Packet::batch_len(frames)).unwrap_or(usize::MAX);
+        let len = usize::try_from(Packet::packet_len(msgs, frames)).unwrap_or(usize::MAX);
         if len <= self.conn.max_inline().min(INLINE_PACKET) {
             // an inline SEND: encoded on the stack, copied by the post, no send slot
             let mut packet = [0u8; INLINE_PACKET];

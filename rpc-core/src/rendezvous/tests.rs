@@ -26,13 +26,128 @@ fn msg(id: u64, body: &[u8], atts: &[usize]) -> Message {
         attachments: atts
             .iter()
             .enumerate()
-            .map(|(i, n)| Payload::from(vec![i as u8 + 1; *n]))
+            .map(|(i, n)| Payload::from(vec![(i as u8).wrapping_add(1); *n]))
             .collect(),
     }
 }
 
 fn parse(b: BytesMut) -> Result<(Packet, u16), ProtocolViolation> {
     Packet::parse(b.freeze(), &limits())
+}
+
+/// An eager packet of `m` in the long form, which the encoder leaves to frames the short one
+/// cannot carry (and which a receiver still reads).
+fn encode_long(out: &mut BytesMut, credits: u16, m: &Message) {
+    put_header(out, T_EAGER, credits, 0, 0);
+    m.encode_into(out);
+}
+
+/// A small call's request and answer go in the short form: both headers in 22 bytes, 26 fewer
+/// than the long form's; a frame it cannot carry goes long, and both read back the same.
+#[test]
+fn lone_eager_frames_go_short_and_read_back_in_either_form() {
+    // an empty payload's echo: one byte of body (the payload's index), one empty attachment
+    let m = msg(u64::MAX - 5, b"\x00", &[0]);
+    let mut short = BytesMut::new();
+    Packet::encode_eager(&mut short, 9, &m);
+    assert_eq!(short.len(), SHORT_HEADER_LEN + 8 + 1);
+    assert_eq!(short.len() as u64, Packet::eager_len(&m));
+    assert_eq!(Packet::eager_len(&m), Packet::batch_len(m.wire_len()) - 26);
+    assert_eq!(short[0], T_EAGER_SHORT);
+    let mut long = BytesMut::new();
+    encode_long(&mut long, 9, &m);
+    assert_eq!(long.len() as u64, Packet::batch_len(m.wire_len()));
+    for b in [short, long] {
+        let e = Packet::peek_eager(&b, &limits()).expect("read in place");
+        assert_eq!(e.frame.header, m.header);
+        assert_eq!(e.frame.to_attachments(), m.attachments);
+        assert_eq!(e.credits, 9);
+        assert_eq!(parse(b).unwrap(), (Packet::Eager(m.clone()), 9));
+    }
+
+    // more attachments than a byte counts: the long form
+    let many = Limits {
+        max_message_size: 1 << 20,
+        max_attachments: 300,
+    };
+    let m = msg(2, b"many", &[1; 256]);
+    let mut b = BytesMut::new();
+    Packet::encode_eager(&mut b, 1, &m);
+    assert_eq!(b[0], T_EAGER);
+    assert_eq!(b.len() as u64, Packet::eager_len(&m));
+    assert_eq!(Packet::eager_len(&m), Packet::batch_len(m.wire_len()));
+    assert_eq!(
+        Packet::parse(b.freeze(), &many).unwrap(),
+        (Packet::Eager(m), 1)
+    );
+    // reserved flags: the long form carries them, and the receiver refuses them as ever
+    let mut m = msg(3, b"flags", &[]);
+    m.header.flags = 4;
+    let mut b = BytesMut::new();
+    Packet::encode_eager(&mut b, 1, &m);
+    assert_eq!(b[0], T_EAGER);
+    assert!(matches!(
+        parse(b),
+        Err(ProtocolViolation::Frame(FrameError::Flags {
+            id: 3,
+            flags: 4
+        }))
+    ));
+}
+
+/// A short packet is checked as a long one is: its kind, its counts and lengths against the
+/// limits and the packet.
+#[test]
+fn short_eager_lies_are_violations() {
+    let mut good = BytesMut::new();
+    Packet::encode_eager(&mut good, 1, &msg(1, &[7; 40], &[2]));
+    assert!(parse(good.clone()).is_ok());
+    // cut inside the header
+    for len in [1, SHORT_HEADER_LEN - 1] {
+        assert!(matches!(
+            parse(BytesMut::from(&good[..len])),
+            Err(ProtocolViolation::Truncated { .. })
+        ));
+        assert!(Packet::peek_eager(&good[..len], &limits()).is_none());
+    }
+    // an unknown kind
+    let mut b = good.clone();
+    b[4] = 0;
+    assert!(Packet::peek_eager(&b, &limits()).is_none());
+    assert_eq!(
+        parse(b),
+        Err(ProtocolViolation::Frame(FrameError::UnknownKind(0)))
+    );
+    // more attachments than the limit
+    let mut b = good.clone();
+    b[5] = 17;
+    assert!(Packet::peek_eager(&b, &limits()).is_none());
+    assert!(matches!(
+        parse(b),
+        Err(ProtocolViolation::Frame(FrameError::TooManyAttachments {
+            count: 17,
+            ..
+        }))
+    ));
+    // a table longer than the packet, an attachment longer than what follows the table
+    let mut b = good.clone();
+    b[5] = 9;
+    assert!(Packet::peek_eager(&b, &limits()).is_none());
+    assert!(parse(b).is_err());
+    let mut b = good.clone();
+    b[SHORT_HEADER_LEN..SHORT_HEADER_LEN + 8].copy_from_slice(&1000u64.to_le_bytes());
+    assert!(Packet::peek_eager(&b, &limits()).is_none());
+    assert!(parse(b).is_err());
+    // a frame over the size limit
+    let small = Limits {
+        max_message_size: 10,
+        max_attachments: 16,
+    };
+    assert!(Packet::peek_eager(&good, &small).is_none());
+    assert!(matches!(
+        Packet::parse(good.freeze(), &small),
+        Err(ProtocolViolation::Frame(FrameError::TooLarge { .. }))
+    ));
 }
 
 #[test]
@@ -71,7 +186,7 @@ fn eager_packets_encode_in_place_into_a_slice_of_their_length() {
         };
         let frames: u64 = msgs.iter().map(|m| m.wire_len()).sum();
         let mut grown = BytesMut::new();
-        let mut slot = vec![0xee; Packet::batch_len(frames) as usize];
+        let mut slot = vec![0xee; Packet::packet_len(msgs, frames) as usize];
         let mut rest = &mut slot[..];
         if batch {
             Packet::encode_eager_batch(&mut grown, 4, msgs);
@@ -96,7 +211,7 @@ fn the_exact_encoder_refuses_a_slot_of_another_length() {
     // a slot one byte short or one byte long would give a frame whose header lies about its
     // length: both panic instead of going out
     let one = msg(1, b"sized", &[3, 0, 5]);
-    let len = Packet::batch_len(one.wire_len()) as usize;
+    let len = Packet::eager_len(&one) as usize;
     for wrong in [len - 1, len + 1, 0, PACKET_HEADER_LEN + 3] {
         let got = std::panic::catch_unwind(|| {
             Packet::encode_eager_exact(&mut vec![0; wrong], 0, &one);
@@ -172,7 +287,7 @@ fn tiny_frames_are_owned_without_a_copy() {
         let mut b = BytesMut::new();
         Packet::encode_eager(&mut b, 0, &m);
         let e = Packet::peek_eager(&b, &limits()).expect("an eager packet");
-        let rest = Bytes::copy_from_slice(&b[PACKET_HEADER_LEN + HEADER_LEN..]);
+        let rest = Bytes::copy_from_slice(e.rest);
         match e.frame.owned_if_tiny() {
             Some((body, atts)) => {
                 assert!(tiny, "{m:?} taken as tiny");
@@ -222,10 +337,12 @@ fn eager_packets_are_read_in_place() {
     let mut credit = BytesMut::new();
     Packet::encode_control(&mut credit, 2, &Packet::Credit);
     assert_eq!(Packet::peek_eager(&credit, &limits()), None);
-    // malformed: cut short, a byte too many, a bad magic, a body over the limit, attachments
-    // longer than the frame
+    // malformed, in the long form (the short one: `short_eager_lies_are_violations`): cut
+    // short, a byte too many, a bad magic, a body over the limit, attachments longer than the
+    // frame
     let mut good = BytesMut::new();
-    Packet::encode_eager(&mut good, 1, &msg(1, &[7; 40], &[2]));
+    encode_long(&mut good, 1, &msg(1, &[7; 40], &[2]));
+    assert!(Packet::peek_eager(&good, &limits()).is_some());
     assert!(Packet::peek_eager(&good[..good.len() - 1], &limits()).is_none());
     let mut long = good.clone();
     long.extend_from_slice(&[0]);
@@ -343,9 +460,10 @@ fn refuses_malformed_packets() {
     Packet::encode_control(&mut b, 0, &Packet::Credit);
     b[0] = 99;
     assert_eq!(parse(b), Err(ProtocolViolation::UnknownType(99)));
-    // Eager whose frame claims more than the slot holds.
+    // Eager whose frame claims more than the slot holds (the long form: the short one has no
+    // length but the packet's).
     let mut b = BytesMut::new();
-    Packet::encode_eager(&mut b, 0, &msg(1, b"abc", &[]));
+    encode_long(&mut b, 0, &msg(1, b"abc", &[]));
     b.truncate(b.len() - 1);
     assert!(parse(b).is_err());
     // Segment count beyond the limit: refused before reading segments.
@@ -871,7 +989,7 @@ mod props {
             let m = msg(id, &body, &atts);
             let mut grown = BytesMut::new();
             Packet::encode_eager(&mut grown, credits, &m);
-            let mut exact = vec![0x5a; Packet::batch_len(m.wire_len()) as usize];
+            let mut exact = vec![0x5a; Packet::eager_len(&m) as usize];
             Packet::encode_eager_exact(&mut exact, credits, &m);
             prop_assert_eq!(&exact[..], &grown[..]);
             prop_assert_eq!(parse(grown).unwrap(), (Packet::Eager(m), credits));
@@ -892,9 +1010,14 @@ mod props {
             at in 0usize..300,
             to in any::<u8>(),
             starved in any::<bool>(),
+            short in any::<bool>(),
         ) {
             let mut b = BytesMut::new();
-            Packet::encode_eager(&mut b, 3, &msg(9, &body, &atts));
+            if short {
+                Packet::encode_eager(&mut b, 3, &msg(9, &body, &atts));
+            } else {
+                encode_long(&mut b, 3, &msg(9, &body, &atts));
+            }
             if starved {
                 Packet::mark_starved(&mut b);
             }
