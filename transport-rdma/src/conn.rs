@@ -89,6 +89,9 @@ struct Shared {
     /// what small received messages are offered to, borrowed, before they go to `receiver`
     /// (see [`RdmaConnection::offer_to`])
     standing: OnceLock<Box<dyn Offered>>,
+    /// called once the slot of a message that a caller's offer consumed is posted again (see
+    /// [`RdmaConnection::on_lent_reposted`])
+    lent_reposted: OnceLock<Box<dyn Fn() + Send + Sync>>,
     /// how long to keep polling after the last completion before sleeping on the channel
     spin: SpinWindow,
     state: Mutex<State>,
@@ -470,7 +473,21 @@ impl Shared {
         lend: Option<&mut Lend<'_>>,
         offer: Option<&mut Offer<'_>>,
     ) -> Result<usize, RdmaError> {
-        let Poller { polled, arena } = poller;
+        let Poller {
+            polled,
+            arena,
+            held,
+            unstamped,
+        } = poller;
+        // what the last poll left (see `Poller::held`)
+        if let Some(buf) = held.take() {
+            self.repost_lent(buf);
+        }
+        if std::mem::take(unstamped) {
+            self.spin.on_completions(self.spin.now());
+            // (a caller found them: only a caller's poll holds a slot)
+            self.spin.caller_found();
+        }
         let n = match self.cq.poll(polled) {
             Ok(n) => n,
             Err(e) => {
@@ -479,10 +496,17 @@ impl Shared {
             }
         };
         if n > 0 {
-            dispatch(self, polled.wcs(), arena, lend, offer);
-            // timed after the dispatch, which a clock read (~70 ns under emulation) would
-            // otherwise delay: the window follows gaps of microseconds and more
-            self.spin.on_completions(self.spin.now());
+            dispatch(self, polled.wcs(), arena, held, lend, offer);
+            if held.is_some() {
+                // a caller took its answer: the next poll tells the window, later by at most
+                // that caller's next post (the window follows gaps of microseconds and more,
+                // and a later time only keeps it open a little longer)
+                *unstamped = true;
+            } else {
+                // timed after the dispatch, which a clock read (~70 ns under emulation) would
+                // otherwise delay
+                self.spin.on_completions(self.spin.now());
+            }
         }
         Ok(n)
     }
@@ -511,6 +535,22 @@ impl Shared {
             None => {
                 let _ = self.recv_tx.send(ev);
             }
+        }
+    }
+
+    /// Posts again the slot of a message that a caller's offer consumed (see `Poller::held`),
+    /// unless the connection is closing (its QP flushes what is posted: the slot goes back to
+    /// the pool instead), and tells [`lent_reposted`](Shared::lent_reposted).
+    fn repost_lent(&self, buf: PoolBuf) {
+        if self.check_open().is_err() {
+            return;
+        }
+        if let Err((e, _)) = self.qp.post_recv_pool(buf) {
+            self.close(&format!("re-posting a receive failed: {e}"));
+            return;
+        }
+        if let Some(back) = self.lent_reposted.get() {
+            back();
         }
     }
 
@@ -601,11 +641,22 @@ impl Shared {
     }
 }
 
-/// What polls the CQ owns, behind the poll lock: the completions' buffer, and the arena that
-/// small received messages are copied into (see [`COPY_AT_MOST`]).
+/// What polls the CQ owns, behind the poll lock: the completions' buffer, the arena that
+/// small received messages are copied into (see [`COPY_AT_MOST`]), and what a caller's poll
+/// leaves to the next one.
 struct Poller {
     polled: Polled,
     arena: bytes::BytesMut,
+    /// The slot of a message that a caller's offer consumed (its answer, decoded in place:
+    /// [`RdmaConnection::poll_completions_offering`]), posted again by the next poll instead
+    /// of at once: that caller goes on to its next request, and the next poll is usually its
+    /// own, while it waits for that request's answer. Posting a receive is ~150 instructions
+    /// of the provider's and ours; this keeps them off the path from an answer found to the
+    /// next request posted. One at most (a second is posted at once).
+    held: Option<PoolBuf>,
+    /// The spin window has not been told of the completions that poll found (see `held`):
+    /// the next poll tells it, with its own time.
+    unstamped: bool,
 }
 
 /// A received message at most this long is copied out of its slot into the poller's arena,
@@ -880,10 +931,13 @@ impl RdmaConnection {
             poll_lock: Mutex::new(Poller {
                 polled: Polled::new(),
                 arena: bytes::BytesMut::new(),
+                held: None,
+                unstamped: false,
             }),
             recv_tx,
             receiver: OnceLock::new(),
             standing: OnceLock::new(),
+            lent_reposted: OnceLock::new(),
             spin: SpinWindow::new(opts.busy_poll, opts.busy_poll_max),
             state: Mutex::new(State::default()),
             send_pool: Mutex::new(Vec::with_capacity(send_slots)),
@@ -1303,10 +1357,12 @@ impl RdmaConnection {
     /// As [`poll_completions`](Self::poll_completions), but each small received message (see
     /// [`COPY_AT_MOST`]) is first offered to `offer`, borrowed from the slot it arrived in: if
     /// `offer` returns true it consumed the message, which then never reaches the installed
-    /// receiver (no copy is made of it, and the same slot is posted again at once). Messages
-    /// before and after it reach the receiver as usual, in order. For the RPC engine's lone
-    /// callers, who decode their answers in place (`DirectSend::progress_with`); on a
-    /// connection with no receiver installed, or of a shared receive queue, nothing is offered.
+    /// receiver (no copy is made of it, and the same slot is posted again by the next poll,
+    /// whoever makes it, which then calls [`on_lent_reposted`](Self::on_lent_reposted)'s
+    /// hook). Messages before and after it reach the receiver as usual, in order. For the RPC
+    /// engine's lone callers, who decode their answers in place
+    /// (`DirectSend::progress_with`); on a connection with no receiver installed, or of a
+    /// shared receive queue, nothing is offered.
     pub(crate) fn poll_completions_offering(&self, offer: &mut Offer<'_>) -> bool {
         let shared = &*self.shared;
         let Some(mut polled) = shared.try_poll_lock() else {
@@ -1327,6 +1383,14 @@ impl RdmaConnection {
     /// not offered. Once only: false if something was installed already.
     pub(crate) fn offer_to(&self, offered: Box<dyn Offered>) -> bool {
         self.shared.standing.set(offered).is_ok()
+    }
+
+    /// Calls `back` each time the slot of a message that an offer of
+    /// [`poll_completions_offering`](Self::poll_completions_offering) consumed is posted again
+    /// (by the poll after the one that found it): the RPC engine returns the slot's credit to
+    /// the peer then, not before. Once only: false if a hook was set already.
+    pub(crate) fn on_lent_reposted(&self, back: Box<dyn Fn() + Send + Sync>) -> bool {
+        self.shared.lent_reposted.set(back).is_ok()
     }
 
     /// Whether no SEND is in flight (every send slot is free).
@@ -2031,6 +2095,7 @@ fn dispatch(
     shared: &Shared,
     wcs: &[Wc],
     arena: &mut bytes::BytesMut,
+    held: &mut Option<PoolBuf>,
     mut lend: Option<&mut Lend<'_>>,
     mut offer: Option<&mut Offer<'_>>,
 ) {
@@ -2090,9 +2155,11 @@ fn dispatch(
                         let offer = offer.as_deref_mut();
                         let standing = shared.standing.get();
                         let mut consumed = false;
-                        let taken = in_place(shared, buf, wc.byte_len as usize, |msg| {
+                        let mut lent = false;
+                        let read = read_in_place(shared, buf, wc.byte_len as usize, |msg| {
                             if let Some(offer) = offer {
                                 if offer(msg, &mut |b| copy_out(arena, b)) {
+                                    lent = true;
                                     return None;
                                 }
                             }
@@ -2104,12 +2171,26 @@ fn dispatch(
                             }
                             Some(RecvEvent::Copied(copy_out(arena, msg)))
                         });
+                        let taken = match read {
+                            Ok((taken, buf)) => {
+                                if lent && held.is_none() {
+                                    // posted again by the next poll (see `Poller::held`)
+                                    *held = Some(buf);
+                                } else if lent {
+                                    shared.repost_lent(buf);
+                                } else {
+                                    repost(shared, buf);
+                                }
+                                taken
+                            }
+                            Err(ev) => Some(ev),
+                        };
                         if let (true, Some(s)) = (consumed, standing) {
                             s.reposted();
                         }
                         match taken {
-                            Ok(None) => continue,
-                            Ok(Some(ev)) | Err(ev) => ev,
+                            None => continue,
+                            Some(ev) => ev,
                         }
                     }
                     (true, Some(r), _) => RecvEvent::Data(r, wc.byte_len as usize),
@@ -2173,22 +2254,40 @@ fn dispatch(
 /// [`COPY_AT_MOST`]).
 fn in_place<R>(
     shared: &Shared,
-    mut buf: PoolBuf,
+    buf: PoolBuf,
     len: usize,
     take: impl FnOnce(&[u8]) -> R,
 ) -> Result<R, RecvEvent> {
+    let (taken, buf) = read_in_place(shared, buf, len, take)?;
+    repost(shared, buf);
+    Ok(taken)
+}
+
+/// [`in_place`] without the posting: what `take` returned, and the slot, to be posted again
+/// by the caller ([`repost`], or later: `Poller::held`).
+fn read_in_place<R>(
+    shared: &Shared,
+    mut buf: PoolBuf,
+    len: usize,
+    take: impl FnOnce(&[u8]) -> R,
+) -> Result<(R, PoolBuf), RecvEvent> {
     if len > buf.len().max(shared.slot_size) {
         // `take_received` turns it into the error
         return Err(RecvEvent::Data(Mem::Pool(buf), len));
     }
     buf.set_len(len);
     let taken = take(buf.bytes());
+    Ok((taken, buf))
+}
+
+/// Posts a receive slot again, unless the connection is closing (its QP flushes what is
+/// posted: the slot goes back to the pool instead).
+fn repost(shared: &Shared, buf: PoolBuf) {
     if shared.check_open().is_ok() {
         if let Err((e, _)) = shared.qp.post_recv_pool(buf) {
             shared.close(&format!("re-posting a receive failed: {e}"));
         }
     }
-    Ok(taken)
 }
 
 /// `msg` copied into `arena` (see [`ARENA_CHUNK`]).

@@ -367,6 +367,14 @@ impl rpc_core::Transport for RdmaTransport {
             engine: Arc::downgrade(&engine),
             burst: engine.conn.caller_burst(),
         });
+        // an answer a lone caller took in place (`Direct::progress_with`): its slot's credit
+        // goes back to the peer once the slot is posted again, by the poll after
+        let weak = Arc::downgrade(&engine);
+        engine.conn.on_lent_reposted(Box::new(move || {
+            if let Some(engine) = weak.upgrade() {
+                engine.release();
+            }
+        }));
         let (msg_tx, msg_rx) = fmpsc::channel(64);
         // Unbounded, yet at most `slots` messages: a delivered message holds its slot's credit
         // until the reader takes it (see `Inbound`).
@@ -517,18 +525,15 @@ impl rpc_core::DirectSend for Direct {
         let Some(engine) = self.engine() else {
             return false;
         };
+        // (the slot of an answer taken here is posted again by the next poll, which returns its
+        // credit: see where the engine sets `on_lent_reposted`)
         let mut taken = false;
-        let found = engine.conn.poll_completions_offering(&mut |slot, copy| {
+        engine.conn.poll_completions_offering(&mut |slot, copy| {
             // one answer per call: anything after it goes the usual way
             let take_it = !taken && engine.lend_answer(slot, id, copy, take);
             taken |= take_it;
             take_it
-        });
-        if taken {
-            // its slot is posted again by now: the peer may have its credit back
-            engine.release();
-        }
-        found
+        })
     }
 }
 
