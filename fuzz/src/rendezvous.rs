@@ -793,7 +793,17 @@ fn peer_packet(end: &End, op: &Op) -> Option<(Bytes, Option<Packet>)> {
     let expect = match op {
         Op::PeerEager { credits, msg } => {
             let m = msg.message();
-            Packet::encode_eager(&mut out, *credits, &m);
+            if credits & 1 == 1 {
+                // (odd credits, one in two: the long form, which `encode_eager` leaves to
+                // frames the short one cannot carry and which a receiver reads all the same;
+                // its layout in rpc-core's `rendezvous` module docs)
+                out.extend_from_slice(&[1, 0]);
+                out.extend_from_slice(&credits.to_le_bytes());
+                out.extend_from_slice(&[0; 12]);
+                m.encode_into(&mut out);
+            } else {
+                Packet::encode_eager(&mut out, *credits, &m);
+            }
             fits(&m).then(|| Packet::Eager(m))
         }
         Op::PeerEagerBatch { credits, msgs } => {

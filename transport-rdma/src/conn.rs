@@ -542,15 +542,10 @@ impl Shared {
     /// unless the connection is closing (its QP flushes what is posted: the slot goes back to
     /// the pool instead), and tells [`lent_reposted`](Shared::lent_reposted).
     fn repost_lent(&self, buf: PoolBuf) {
-        if self.check_open().is_err() {
-            return;
-        }
-        if let Err((e, _)) = self.qp.post_recv_pool(buf) {
-            self.close(&format!("re-posting a receive failed: {e}"));
-            return;
-        }
-        if let Some(back) = self.lent_reposted.get() {
-            back();
+        if repost(self, buf) {
+            if let Some(back) = self.lent_reposted.get() {
+                back();
+            }
         }
     }
 
@@ -2281,11 +2276,16 @@ fn read_in_place<R>(
 }
 
 /// Posts a receive slot again, unless the connection is closing (its QP flushes what is
-/// posted: the slot goes back to the pool instead).
-fn repost(shared: &Shared, buf: PoolBuf) {
-    if shared.check_open().is_ok() {
-        if let Err((e, _)) = shared.qp.post_recv_pool(buf) {
+/// posted: the slot goes back to the pool instead); whether it did.
+fn repost(shared: &Shared, buf: PoolBuf) -> bool {
+    if shared.check_open().is_err() {
+        return false;
+    }
+    match shared.qp.post_recv_pool(buf) {
+        Ok(_) => true,
+        Err((e, _)) => {
             shared.close(&format!("re-posting a receive failed: {e}"));
+            false
         }
     }
 }
