@@ -303,13 +303,7 @@ impl Packet {
     pub fn encode_eager<B: BufMut>(out: &mut B, credits: u16, msg: &Message) {
         if is_short(msg) {
             out.put_slice(&short_head(credits, msg));
-            for a in &msg.attachments {
-                out.put_u64_le(a.len() as u64);
-            }
-            out.put_slice(&msg.body);
-            for a in &msg.attachments {
-                out.put_slice(a);
-            }
+            msg.encode_rest_into(out);
         } else {
             put_header(out, T_EAGER, credits, 0, 0);
             msg.encode_into(out);

@@ -196,7 +196,17 @@ impl Message {
     /// Writes the whole frame into `out` (copies body and attachments): a growing buffer, or a
     /// slice with room for [`wire_len`](Self::wire_len) bytes (a `&mut [u8]` panics when full).
     pub fn encode_into<B: BufMut>(&self, out: &mut B) {
-        self.encode_head(out);
+        out.put_slice(&self.head(self.payload_len()));
+        self.encode_rest_into(out);
+    }
+
+    /// Writes what follows the fixed header (attachment table, body, attachments) into `out`:
+    /// [`encode_into`](Self::encode_into) without the header, for packets that carry the header
+    /// in a form of their own (the RDMA transport's short eager packet).
+    pub fn encode_rest_into<B: BufMut>(&self, out: &mut B) {
+        for a in &self.attachments {
+            out.put_u64_le(a.len() as u64);
+        }
         out.put_slice(&self.body);
         for a in &self.attachments {
             out.put_slice(a);
