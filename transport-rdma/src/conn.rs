@@ -477,15 +477,12 @@ impl Shared {
             polled,
             arena,
             held,
-            unstamped,
         } = poller;
-        // what the last poll left (see `Poller::held`)
+        // what the last poll left (see `Poller::held`): its slot, and telling the spin window
+        // of its completions (a caller found them: only a caller's poll holds a slot)
         if let Some(buf) = held.take() {
             self.repost_lent(buf);
-        }
-        if std::mem::take(unstamped) {
             self.spin.on_completions(self.spin.now());
-            // (a caller found them: only a caller's poll holds a slot)
             self.spin.caller_found();
         }
         let n = match self.cq.poll(polled) {
@@ -497,14 +494,11 @@ impl Shared {
         };
         if n > 0 {
             dispatch(self, polled.wcs(), arena, held, lend, offer);
-            if held.is_some() {
-                // a caller took its answer: the next poll tells the window, later by at most
-                // that caller's next post (the window follows gaps of microseconds and more,
-                // and a later time only keeps it open a little longer)
-                *unstamped = true;
-            } else {
-                // timed after the dispatch, which a clock read (~70 ns under emulation) would
-                // otherwise delay
+            // timed after the dispatch, which a clock read (~70 ns under emulation) would
+            // otherwise delay; if a caller took its answer, by the next poll, later by at most
+            // that caller's next post (the window follows gaps of microseconds and more, and a
+            // later time only keeps it open a little longer)
+            if held.is_none() {
                 self.spin.on_completions(self.spin.now());
             }
         }
@@ -647,11 +641,10 @@ struct Poller {
     /// of at once: that caller goes on to its next request, and the next poll is usually its
     /// own, while it waits for that request's answer. Posting a receive is ~150 instructions
     /// of the provider's and ours; this keeps them off the path from an answer found to the
-    /// next request posted. One at most (a second is posted at once).
+    /// next request posted. One at most (a second is posted at once). While it is held, the
+    /// spin window has not been told of the completions of the poll that found it either: the
+    /// next poll tells it, with its own time.
     held: Option<PoolBuf>,
-    /// The spin window has not been told of the completions that poll found (see `held`):
-    /// the next poll tells it, with its own time.
-    unstamped: bool,
 }
 
 /// A received message at most this long is copied out of its slot into the poller's arena,
@@ -927,7 +920,6 @@ impl RdmaConnection {
                 polled: Polled::new(),
                 arena: bytes::BytesMut::new(),
                 held: None,
-                unstamped: false,
             }),
             recv_tx,
             receiver: OnceLock::new(),
