@@ -21,9 +21,10 @@ use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 use tracing::Instrument;
 
+use crate::codec::direct::{DecodeBody, EncodeBody, Serde};
 use crate::codec::Codec;
-use crate::conn::{encode_body, KeepAlive, Tick};
-use crate::payload::{with_attachments, PayloadMemory, PayloadMut};
+use crate::conn::{KeepAlive, Tick};
+use crate::payload::{PayloadMemory, PayloadMut};
 use crate::permits::{Permit, Permits, TryAcquireError};
 use crate::transport::{DirectSend, LentFrame, ResponseShortcut, Transport};
 use crate::wire::{Attachments, Header, Kind, Message};
@@ -524,6 +525,20 @@ impl Client {
         C: Codec,
         R: DeserializeOwned + Send + 'static,
     {
+        self.send_via::<Serde<C>, R>(prepared, deadline)
+    }
+
+    /// As [`send`](Self::send), decoding the answer with `D` (see [`crate::codec::direct`]:
+    /// generated clients pick the body path of each method's result there).
+    pub fn send_via<D, R>(
+        &self,
+        prepared: Result<Prepared, RpcError>,
+        deadline: Option<Instant>,
+    ) -> impl Future<Output = Result<R, RpcError>> + Send + 'static
+    where
+        D: DecodeBody<R> + 'static,
+        R: Send + 'static,
+    {
         // A span per call costs ~7% of a small call's instructions even when nothing listens:
         // make one only when debug tracing is on.
         let span = if tracing::enabled!(tracing::Level::DEBUG) {
@@ -532,7 +547,7 @@ impl Client {
         } else {
             tracing::Span::none()
         };
-        Call::<C, R> {
+        Call::<D, R> {
             inner: self.inner.clone(),
             unsent: Some(prepared.map(|p| p.msg)),
             credit_wait: None,
@@ -564,7 +579,17 @@ impl Prepared {
         name: &'static str,
         args: &A,
     ) -> Result<Prepared, RpcError> {
-        let (body, attachments) = encode_body::<C, A>(args).map_err(RpcError::Codec)?;
+        Prepared::encode::<Serde<C>, A>(method, name, args)
+    }
+
+    /// As [`new`](Self::new), encoding `args` with `E` (see [`crate::codec::direct`]:
+    /// generated clients pick the body path of each method's arguments there).
+    pub fn encode<E: EncodeBody<A>, A: ?Sized>(
+        method: u32,
+        name: &'static str,
+        args: &A,
+    ) -> Result<Prepared, RpcError> {
+        let (body, attachments) = E::encode(args).map_err(RpcError::Codec)?;
         Ok(Prepared {
             name,
             msg: Message {
@@ -619,7 +644,7 @@ type CreditWait = Pin<Box<dyn Future<Output = Result<(), RpcError>> + Send>>;
 /// where the transport received it, borrowed ([`DirectSend::progress_with`]): the answer then
 /// never passes through the call's slot.
 #[pin_project::pin_project(PinnedDrop, project = CallProj)]
-struct Call<C, R> {
+struct Call<D, R> {
     inner: Arc<Inner>,
     /// The request (or why it could not be encoded), until the first poll with a credit
     /// sends it.
@@ -640,10 +665,10 @@ struct Call<C, R> {
     sleep: Option<tokio::time::Sleep>,
     /// The call's span; `Span::none()` unless debug tracing was on.
     span: tracing::Span,
-    decode: PhantomData<fn() -> (C, R)>,
+    decode: PhantomData<fn() -> (D, R)>,
 }
 
-impl<C: Codec, R: DeserializeOwned> Future for Call<C, R> {
+impl<D: DecodeBody<R>, R> Future for Call<D, R> {
     type Output = Result<R, RpcError>;
 
     fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
@@ -651,7 +676,7 @@ impl<C: Codec, R: DeserializeOwned> Future for Call<C, R> {
         if *this.done {
             panic!("a call's future polled after it completed");
         }
-        let out = poll_call::<C, R>(&mut this, cx);
+        let out = poll_call::<D, R>(&mut this, cx);
         if out.is_ready() {
             *this.done = true;
             if std::mem::take(this.credit) {
@@ -663,8 +688,8 @@ impl<C: Codec, R: DeserializeOwned> Future for Call<C, R> {
 }
 
 /// The whole of a call's poll but the returning of its credit when it ends ([`Call::poll`]).
-fn poll_call<C: Codec, R: DeserializeOwned>(
-    this: &mut CallProj<'_, C, R>,
+fn poll_call<D: DecodeBody<R>, R>(
+    this: &mut CallProj<'_, D, R>,
     cx: &mut Context<'_>,
 ) -> Poll<Result<R, RpcError>> {
     let _entered = (!this.span.is_none()).then(|| this.span.enter());
@@ -800,7 +825,7 @@ fn poll_call<C: Codec, R: DeserializeOwned>(
                     let SlotState::Done(outcome) = outcome else {
                         unreachable!("matched above")
                     };
-                    return Poll::Ready(outcome.and_then(decode_reply::<C, R>));
+                    return Poll::Ready(outcome.and_then(decode_reply::<D, R>));
                 }
                 SlotState::Free => unreachable!("a call owns its slot until it ends"),
             }
@@ -828,11 +853,11 @@ fn poll_call<C: Codec, R: DeserializeOwned>(
                     let header = f.header;
                     taken = Some(if f.attachment_bytes() == 0 {
                         // no bytes to keep (empty payloads need none): decoded in place
-                        decode_answer::<C, R>(&header, f.body, f.to_attachments())
+                        decode_answer::<D, R>(&header, f.body, f.to_attachments())
                     } else {
                         // payloads the caller keeps: copied out of the receive buffer
                         let (body, attachments) = lent.own();
-                        decode_answer::<C, R>(&header, &body, attachments)
+                        decode_answer::<D, R>(&header, &body, attachments)
                     });
                     true
                 };
@@ -998,7 +1023,7 @@ impl Drop for SpinState {
 }
 
 #[pin_project::pinned_drop]
-impl<C, R> PinnedDrop for Call<C, R> {
+impl<D, R> PinnedDrop for Call<D, R> {
     fn drop(self: Pin<&mut Self>) {
         let this = self.project();
         let _entered = (!this.span.is_none()).then(|| this.span.enter());
@@ -1033,19 +1058,19 @@ fn cancel(state: &State, id: u64) {
     }
 }
 
-fn decode_reply<C: Codec, R: DeserializeOwned>(reply: Message) -> Result<R, RpcError> {
-    decode_answer::<C, R>(&reply.header, &reply.body, reply.attachments)
+fn decode_reply<D: DecodeBody<R>, R>(reply: Message) -> Result<R, RpcError> {
+    decode_answer::<D, R>(&reply.header, &reply.body, reply.attachments)
 }
 
 /// Decodes an answer of header `header`, body `body` and `attachments`: the result, or the
 /// server's error.
-fn decode_answer<C: Codec, R: DeserializeOwned>(
+fn decode_answer<D: DecodeBody<R>, R>(
     header: &Header,
     body: &[u8],
     attachments: Attachments,
 ) -> Result<R, RpcError> {
     match header.aux {
-        0 => with_attachments(attachments, || C::decode::<R>(body)).map_err(RpcError::Codec),
+        0 => D::decode(body, attachments).map_err(RpcError::Codec),
         code => {
             let kind = ServerErrorKind::from_code(code);
             if kind == ServerErrorKind::DeadlineExceeded {

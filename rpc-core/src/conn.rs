@@ -136,13 +136,38 @@ pub(crate) fn encode_body<C: Codec, T: Serialize + ?Sized>(
     Ok((body, attachments))
 }
 
+/// The per-thread scratch buffer bodies are encoded into, taken out (empty if it is in use):
+/// for an encoder that cannot borrow it for the whole of its work ([`crate::codec::direct`]).
+/// Give it back with [`give_scratch`].
+pub(crate) fn take_scratch() -> Vec<u8> {
+    SCRATCH.with(|s| match s.try_borrow_mut() {
+        Ok(mut buf) => std::mem::take(&mut *buf),
+        Err(_) => Vec::new(),
+    })
+}
+
+/// Puts back a buffer from [`take_scratch`] (unless the thread has one again, or it grew huge).
+pub(crate) fn give_scratch(mut buf: Vec<u8>) {
+    if buf.capacity() > 1 << 20 {
+        return;
+    }
+    buf.clear();
+    SCRATCH.with(|s| {
+        if let Ok(mut cur) = s.try_borrow_mut() {
+            if cur.capacity() < buf.capacity() {
+                *cur = buf;
+            }
+        }
+    });
+}
+
 /// A `Bytes` holding a copy of `encoded`.
 ///
 /// A body of at most one byte needs no memory ([`tiny_body`](crate::wire::tiny_body)); a
 /// small body is a view into a per-thread 16 KiB chunk shared by many bodies (the chunk is
 /// freed when the last of them is dropped), so it costs a reference count instead of a
 /// `malloc` and a `free`; a larger one is allocated to size.
-fn body_bytes(encoded: &[u8]) -> Bytes {
+pub(crate) fn body_bytes(encoded: &[u8]) -> Bytes {
     // empty, or one byte (a lone payload's index): no memory of its own
     if let Some(tiny) = crate::wire::tiny_body(encoded) {
         return tiny;

@@ -26,10 +26,11 @@ use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 use tracing::Instrument;
 
+use crate::codec::direct::{DecodeBody, EncodeBody, Serde};
 use crate::codec::Codec;
-use crate::conn::{encode_body, KeepAlive, Outbox, Tick};
+use crate::conn::{KeepAlive, Outbox, Tick};
 use crate::ids::IdMap;
-use crate::payload::{with_attachments, PayloadMemory, PayloadMut};
+use crate::payload::{PayloadMemory, PayloadMut};
 use crate::transport::{DirectSend, LentFrame, Listener, Transport};
 use crate::wire::{Attachments, FrameError, Header, Kind, Message};
 use crate::{Config, Secret, ServerError, ServerErrorKind};
@@ -72,8 +73,18 @@ impl Request {
         self,
         name: &'static str,
     ) -> Result<T, ServerError> {
-        let body = self.body;
-        with_attachments(self.attachments, || C::decode::<T>(&body)).map_err(|e| {
+        self.decode_via(Serde::<C>::new(), name)
+    }
+
+    /// As [`decode`](Self::decode), through the body path `_via` (a value of a zero-sized
+    /// type: generated servers pass what [`crate::codec::direct::Probe`] picked for the
+    /// method's arguments).
+    pub fn decode_via<D: DecodeBody<T>, T>(
+        self,
+        _via: D,
+        name: &'static str,
+    ) -> Result<T, ServerError> {
+        D::decode(&self.body, self.attachments).map_err(|e| {
             ServerError::new(
                 ServerErrorKind::BadRequest,
                 format!("could not decode the arguments of {name}: {e}"),
@@ -92,7 +103,17 @@ pub struct Reply {
 impl Reply {
     /// Encodes a method's result.
     pub fn encode<C: Codec, T: Serialize + ?Sized>(value: &T) -> Result<Reply, ServerError> {
-        let (body, attachments) = encode_body::<C, T>(value).map_err(|e| {
+        Reply::encode_via(Serde::<C>::new(), value)
+    }
+
+    /// As [`encode`](Self::encode), through the body path `_via` (a value of a zero-sized
+    /// type: generated servers pass what [`crate::codec::direct::Probe`] picked for the
+    /// method's result).
+    pub fn encode_via<E: EncodeBody<T>, T: ?Sized>(
+        _via: E,
+        value: &T,
+    ) -> Result<Reply, ServerError> {
+        let (body, attachments) = E::encode(value).map_err(|e| {
             ServerError::new(
                 ServerErrorKind::Internal,
                 format!("could not encode the result: {e}"),

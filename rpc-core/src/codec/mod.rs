@@ -28,6 +28,7 @@ pub trait Codec: Send + Sync + 'static {
 #[derive(Debug, Clone, Copy, Default)]
 pub struct Bincode;
 
+pub mod direct;
 mod guard;
 
 pub use guard::MAX_DEPTH;
