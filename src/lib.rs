@@ -76,6 +76,7 @@ pub use rpc_macros::rdma_service;
 #[cfg(feature = "rdma")]
 pub use transport_rdma::{PoolCounts, PoolMonitor};
 
+use rpc_core::codec::direct::{DecodeBody, EncodeBody, Serde};
 use rpc_core::server::ServerStats;
 use serde::de::DeserializeOwned;
 use serde::Serialize;
@@ -100,6 +101,7 @@ pub mod tls;
 /// Used by the code `#[rdma_service]` generates; not a stable API.
 #[doc(hidden)]
 pub mod __private {
+    pub use rpc_core::codec::direct::{Probe, ViaDirect, ViaSerde};
     pub use rpc_core::{method_id, Reply, Request, ServerError, Service};
 }
 
@@ -387,7 +389,7 @@ impl Client {
         self.conn.pools.monitor()
     }
 
-    /// Calls a method by id; what generated clients do. See [`rpc_core::Client::call`].
+    /// Calls a method by id. See [`rpc_core::Client::call`].
     pub fn call<C, A, R>(
         &self,
         method: u32,
@@ -399,14 +401,35 @@ impl Client {
         A: Serialize + ?Sized,
         R: DeserializeOwned + Send + 'static,
     {
+        self.call_via(Serde::<C>::new(), Serde::<C>::new(), method, name, args)
+    }
+
+    /// As [`call`](Self::call), encoding the arguments through the body path `_encode` and
+    /// decoding the result through `_decode` (values of zero-sized types); what generated
+    /// clients do, with the paths that [`rpc_core::codec::direct::Probe`] picked for each
+    /// method's argument and result types.
+    pub fn call_via<E, D, A, R>(
+        &self,
+        _encode: E,
+        _decode: D,
+        method: u32,
+        name: &'static str,
+        args: &A,
+    ) -> impl Future<Output = Result<R, RpcError>> + Send + 'static
+    where
+        E: EncodeBody<A>,
+        D: DecodeBody<R> + 'static,
+        A: ?Sized,
+        R: Send + 'static,
+    {
         let deadline = self.timeout.map(|t| tokio::time::Instant::now() + t);
-        let prepared = rpc_core::client::Prepared::new::<C, A>(method, name, args);
+        let prepared = rpc_core::client::Prepared::encode::<E, A>(method, name, args);
         // Fast path: connected, no extra await (and no handle cloned: the call's future
         // holds the connection itself).
         {
             let c = self.conn.current.read().expect("connection lock");
             if !c.is_closed() && !c.is_going_away() {
-                return futures::future::Either::Left(c.send::<C, R>(prepared, deadline));
+                return futures::future::Either::Left(c.send_via::<D, R>(prepared, deadline));
             }
         }
         let conn = self.conn.clone();
@@ -419,7 +442,7 @@ impl Client {
                     .map_err(|_| RpcError::DeadlineExceeded)??,
                 None => conn.get().await?,
             };
-            c.send::<C, R>(prepared, deadline).await
+            c.send_via::<D, R>(prepared, deadline).await
         }))
     }
 }

@@ -7,6 +7,7 @@
 
 use proc_macro2::TokenStream;
 use quote::{format_ident, quote, quote_spanned, ToTokens};
+use syn::spanned::Spanned;
 use syn::Ident;
 
 use crate::parse::{Args, Method, Service};
@@ -191,6 +192,7 @@ impl<'a> ServiceGenerator<'a> {
             );
             let Method { ident, args, .. } = method;
             let arg_idents = args.iter().map(|arg| &arg.ident);
+            let arg_tys = args.iter().map(|arg| &arg.ty);
             let params = args.iter().map(|arg| {
                 let (ident, colon_token, ty) = (&arg.ident, &arg.colon_token, &arg.ty);
                 quote!(#ident #colon_token #ty)
@@ -203,12 +205,21 @@ impl<'a> ServiceGenerator<'a> {
                     Output = ::core::result::Result<#output, ::rdma_rpc::RpcError>,
                 > + ::core::marker::Send + 'static
             };
+            // Each body's path (serde, or written directly: `rpc_core::codec::direct`) is
+            // picked by the probe's method resolution on the concrete types.
             let call = quote_spanned! {ident.span()=>
-                self.inner.call::<#codec, _, #output>(
-                    Self::#id,
-                    #full_name,
-                    &(#(#arg_idents,)*),
-                )
+                {
+                    // (one of the two resolves every body of some methods)
+                    #[allow(unused_imports)]
+                    use ::rdma_rpc::__private::{ViaDirect as _, ViaSerde as _};
+                    self.inner.call_via::<_, _, _, #output>(
+                        (&&::rdma_rpc::__private::Probe::<#codec, (#(#arg_tys,)*)>::new()).body(),
+                        (&&::rdma_rpc::__private::Probe::<#codec, #output>::new()).body(),
+                        Self::#id,
+                        #full_name,
+                        &(#(#arg_idents,)*),
+                    )
+                }
             };
             quote! {
                 #(#cfgs)*
@@ -322,30 +333,37 @@ impl<'a> ServiceGenerator<'a> {
                 |(method, id, full_name)| {
                     let cfgs = method.cfg_attrs();
                     let ident = &method.ident;
-                    let tys = method.args.iter().map(|arg| &arg.ty);
+                    let tys: Vec<_> = method.args.iter().map(|arg| &arg.ty).collect();
                     let output = output_type(method);
                     // Spanned at the method name: an argument type that is not
                     // `DeserializeOwned` is reported there rather than at the attribute.
                     let span = ident.span();
+                    // (each body's path picked as in the client's methods)
                     let (decode, args) = if method.args.is_empty() {
                         (
-                            quote_spanned!(span=> request.decode::<#codec, ()>(#full_name)?;),
+                            quote_spanned!(span=> request.decode_via::<_, ()>((&&::rdma_rpc::__private::Probe::<#codec, ()>::new()).body(), #full_name)?;),
                             Vec::new(),
                         )
                     } else {
                         let fields = (0..method.args.len()).map(syn::Index::from);
                         (
-                            quote_spanned!(span=> let __args = request.decode::<#codec, (#(#tys,)*)>(#full_name)?;),
+                            quote_spanned!(span=> let __args = request.decode_via::<_, (#(#tys,)*)>((&&::rdma_rpc::__private::Probe::<#codec, (#(#tys,)*)>::new()).body(), #full_name)?;),
                             fields.map(|field| quote!(__args.#field)).collect(),
+                        )
+                    };
+                    // Spanned at the result type: one that is not `Serialize` is reported there.
+                    let reply_span = method.output.as_ref().map_or(span, |ty| ty.span());
+                    let reply = quote_spanned! {reply_span=>
+                        ::rdma_rpc::__private::Reply::encode_via(
+                            (&&::rdma_rpc::__private::Probe::<#codec, #output>::new()).body(),
+                            &<__S as #trait_ident>::#ident(&self.service #(, #args)*).await,
                         )
                     };
                     quote! {
                         #(#cfgs)*
                         #client::#id => {
                             #decode
-                            ::rdma_rpc::__private::Reply::encode::<#codec, #output>(
-                                &<__S as #trait_ident>::#ident(&self.service #(, #args)*).await,
-                            )
+                            #reply
                         }
                     }
                 },
@@ -390,7 +408,11 @@ impl<'a> ServiceGenerator<'a> {
                         ::rdma_rpc::__private::ServerError,
                     >,
                 > + ::core::marker::Send + '_ {
-                    async move { #dispatch_body }
+                    async move {
+                        #[allow(unused_imports)]
+                        use ::rdma_rpc::__private::{ViaDirect as _, ViaSerde as _};
+                        #dispatch_body
+                    }
                 }
             }
         }

@@ -220,22 +220,30 @@ fn client_stub_calls_with_ids_names_and_argument_tuples() {
         "->impl::core::future::Future<Output=::core::result::Result<Result<u64,StoreError>,\
          ::rdma_rpc::RpcError>,>+::core::marker::Send+'static"
     );
+    // each body's path picked by the probes (see `rpc_core::codec::direct`)
     assert_eq!(
         text(&put.block),
-        "{self.inner.call::<::rdma_rpc::codec::Bincode,_,Result<u64,StoreError>>(Self::__ID_put,\
-         \"Store.put\",&(key,value,),)}"
+        "{{#[allow(unused_imports)]use::rdma_rpc::__private::{ViaDirectas_,ViaSerdeas_};\
+         self.inner.call_via::<_,_,_,Result<u64,StoreError>>(\
+         (&&::rdma_rpc::__private::Probe::<::rdma_rpc::codec::Bincode,(String,Payload,)>::new())\
+         .body(),(&&::rdma_rpc::__private::Probe::<::rdma_rpc::codec::Bincode,\
+         Result<u64,StoreError>>::new()).body(),Self::__ID_put,\"Store.put\",&(key,value,),)}}"
     );
     // The user's doc comes first, then the generated one.
     assert!(text(&put.attrs[0]).contains("Stores`value`under`key`."));
-    assert_eq!(
-        text(&impl_fn(&items, "get").block),
-        "{self.inner.call::<::rdma_rpc::codec::Bincode,_,Option<Payload>>(Self::__ID_get,\
-         \"Store.get\",&(key,),)}"
-    );
-    assert_eq!(
-        text(&impl_fn(&items, "ping").block),
-        "{self.inner.call::<::rdma_rpc::codec::Bincode,_,()>(Self::__ID_ping,\"Store.ping\",&(),)}"
-    );
+    let get = text(&impl_fn(&items, "get").block);
+    assert!(get.contains(
+        "self.inner.call_via::<_,_,_,Option<Payload>>((&&::rdma_rpc::__private::Probe::<\
+         ::rdma_rpc::codec::Bincode,(String,)>::new()).body(),(&&::rdma_rpc::__private::Probe::<\
+         ::rdma_rpc::codec::Bincode,Option<Payload>>::new()).body(),Self::__ID_get,\"Store.get\",\
+         &(key,),)"
+    ));
+    let ping = text(&impl_fn(&items, "ping").block);
+    assert!(ping.contains(
+        "self.inner.call_via::<_,_,_,()>((&&::rdma_rpc::__private::Probe::<\
+         ::rdma_rpc::codec::Bincode,()>::new()).body(),(&&::rdma_rpc::__private::Probe::<\
+         ::rdma_rpc::codec::Bincode,()>::new()).body(),Self::__ID_ping,\"Store.ping\",&(),)"
+    ));
 }
 
 #[test]
@@ -335,17 +343,25 @@ fn server_dispatches_every_method() {
          ::rdma_rpc::__private::ServerError,>,>+::core::marker::Send+'_"
     );
     let body = text(&dispatch.block);
-    assert!(body.starts_with("{asyncmove{matchmethod{"), "{body}");
+    assert!(
+        body.starts_with(
+            "{asyncmove{#[allow(unused_imports)]use::rdma_rpc::__private::{ViaDirectas_,\
+             ViaSerdeas_};matchmethod{"
+        ),
+        "{body}"
+    );
     assert!(body.contains(
-        "StoreClient::__ID_put=>{let__args=request.decode::<::rdma_rpc::codec::Bincode,\
-         (String,Payload,)>(\"Store.put\")?;::rdma_rpc::__private::Reply::encode::<\
-         ::rdma_rpc::codec::Bincode,Result<u64,StoreError>>(&<__SasStore>::put(&self.service,\
-         __args.0,__args.1).await,)}"
+        "StoreClient::__ID_put=>{let__args=request.decode_via::<_,(String,Payload,)>((&&\
+         ::rdma_rpc::__private::Probe::<::rdma_rpc::codec::Bincode,(String,Payload,)>::new())\
+         .body(),\"Store.put\")?;::rdma_rpc::__private::Reply::encode_via((&&\
+         ::rdma_rpc::__private::Probe::<::rdma_rpc::codec::Bincode,Result<u64,StoreError>>::new())\
+         .body(),&<__SasStore>::put(&self.service,__args.0,__args.1).await,)}"
     ));
     assert!(body.contains(
-        "StoreClient::__ID_ping=>{request.decode::<::rdma_rpc::codec::Bincode,()>(\"Store.ping\")?;\
-         ::rdma_rpc::__private::Reply::encode::<::rdma_rpc::codec::Bincode,()>(&<__SasStore>::ping(\
-         &self.service).await,)}"
+        "StoreClient::__ID_ping=>{request.decode_via::<_,()>((&&::rdma_rpc::__private::Probe::<\
+         ::rdma_rpc::codec::Bincode,()>::new()).body(),\"Store.ping\")?;\
+         ::rdma_rpc::__private::Reply::encode_via((&&::rdma_rpc::__private::Probe::<\
+         ::rdma_rpc::codec::Bincode,()>::new()).body(),&<__SasStore>::ping(&self.service).await,)}"
     ));
     assert!(body.contains(
         "_=>::core::result::Result::Err(::rdma_rpc::__private::ServerError::unknown_method(method),),"
@@ -357,9 +373,8 @@ fn codec_argument_selects_the_codec_everywhere() {
     let file = expand_ok("codec = my::Codec", STORE);
     let out = text(file);
     assert!(!out.contains("Bincode"), "default codec still used");
-    assert_eq!(out.matches("call::<my::Codec,_,").count(), 3);
-    assert_eq!(out.matches("decode::<my::Codec,").count(), 3);
-    assert_eq!(out.matches("encode::<my::Codec,").count(), 3);
+    // each method: the client's two probes (arguments, result), the server's two
+    assert_eq!(out.matches("Probe::<my::Codec,").count(), 12);
 }
 
 /// Every name the generated code uses on its own is a full path, so that it does not depend on
@@ -461,7 +476,7 @@ fn raw_identifiers_keep_raw_idents_and_unraw_names() {
     let items = impl_items(&file, "LoopClient", false);
     let method = impl_fn(&items, "r#type");
     assert_eq!(text(&method.sig.inputs), "&self,r#in:u8,r#match:String");
-    assert!(text(&method.block).contains("(Self::__ID_type,\"Loop.type\",&(r#in,r#match,),)"));
+    assert!(text(&method.block).contains("Self::__ID_type,\"Loop.type\",&(r#in,r#match,),)"));
     assert_eq!(impl_consts(&items)[0].ident, "__ID_type");
     assert!(text(&file).contains("<__Sasr#Loop>::r#type(&self.service,__args.0,__args.1)"));
     assert!(text(&file).contains("constNAME:&'staticstr=\"Loop\";"));
@@ -532,7 +547,7 @@ fn sixteen_arguments_are_accepted() {
     let file = expand_ok("", &item);
     let out = text(&file);
     assert!(out.contains(
-        "decode::<::rdma_rpc::codec::Bincode,(u8,u16,u32,u64,u8,u16,u32,u64,u8,u16,u32,u64,u8,u16,\
+        "Probe::<::rdma_rpc::codec::Bincode,(u8,u16,u32,u64,u8,u16,u32,u64,u8,u16,u32,u64,u8,u16,\
          u32,u64,)>"
     ));
     assert!(out.contains("__args.15)"));
