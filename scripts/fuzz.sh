@@ -19,7 +19,7 @@ set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 SECS=${1:-30}
 [[ "$SECS" =~ ^[0-9]+$ ]] || { echo "usage: $0 [SECONDS_PER_TARGET]" >&2; exit 2; }
-read -r -a TARGETS <<<"${FUZZ_TARGETS:-frame_decoder codec_messages rendezvous}"
+read -r -a TARGETS <<<"${FUZZ_TARGETS:-frame_decoder codec_messages direct_bodies rendezvous}"
 SANITIZER=${FUZZ_SANITIZER:-none}
 T0=$(date +%s)
 stage() { echo; echo "==== fuzz [$(($(date +%s) - T0))s] $*"; }
@@ -69,7 +69,9 @@ why() {
     END { if (!done) print "\t" }
   ' || true
 }
-inputs() { [ -d "$1" ] && find "$1" -maxdepth 1 -type f ! -name '.*' | sort; }
+# (a directory that is not there has none: not a failure, which under `set -e` would end the
+# listing before the next directory's)
+inputs() { [ -d "$1" ] || return 0; find "$1" -maxdepth 1 -type f ! -name '.*' | sort; }
 
 stage "replay regressions and seed corpus"
 for t in "${TARGETS[@]}"; do

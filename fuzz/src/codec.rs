@@ -466,15 +466,20 @@ fn framework_decode<T: Lifted + Send>(body: &[u8], atts: &[Payload]) {
     }
 }
 
-fn framework_mode(sel: u8, rest: &[u8]) {
-    let mut r = crate::reader::Reader::new(rest);
-    let n = r.u8() % 5;
-    let atts: Vec<Payload> = (0..n)
+/// `n` attachments off `r`, each a length byte and that many bytes.
+pub fn read_attachments(r: &mut crate::reader::Reader<'_>, n: u8) -> Vec<Payload> {
+    (0..n)
         .map(|_| {
             let len = r.u8() as usize;
             Payload::copy_from_slice(r.bytes(len))
         })
-        .collect();
+        .collect()
+}
+
+fn framework_mode(sel: u8, rest: &[u8]) {
+    let mut r = crate::reader::Reader::new(rest);
+    let n = r.u8() % 5;
+    let atts = read_attachments(&mut r, n);
     let body = r.rest();
     match sel % 5 {
         0 => framework_decode::<Args<FPayload>>(body, &atts),

@@ -5,6 +5,7 @@
 
 pub mod alloc;
 pub mod codec;
+pub mod direct;
 pub mod frame;
 pub mod reader;
 pub mod rendezvous;
@@ -18,5 +19,6 @@ pub type Target = fn(&[u8]);
 pub const TARGETS: &[(&str, Target)] = &[
     ("frame_decoder", frame::run),
     ("codec_messages", codec::run),
+    ("direct_bodies", direct::run),
     ("rendezvous", rendezvous::run),
 ];

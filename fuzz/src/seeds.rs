@@ -429,9 +429,32 @@ fn rendezvous_seeds() -> Vec<Seed> {
 }
 
 /// All seeds.
+/// `direct_bodies`: a type byte, the attachments (count, then each one's length and bytes),
+/// the body.
+fn direct_seeds() -> Vec<Seed> {
+    let seed = |name: &str, ty: u8, atts: &[&[u8]], body: &[u8]| {
+        let mut w = Writer(Vec::new());
+        w.u8(ty).u8(atts.len() as u8);
+        for a in atts {
+            w.u8(a.len() as u8).bytes(a);
+        }
+        w.bytes(body);
+        ("direct_bodies", name.to_string(), w.0)
+    };
+    vec![
+        seed("u64-at-tags", 3, &[], &[252, 0, 0, 1, 0]),
+        seed("payload", 7, &[b"block"], &[0]),
+        seed("key-and-value", 9, &[b"value"], &[3, b'k', b'e', b'y', 0]),
+        seed("some-payload", 8, &[b"", b"x"], &[1, 1]),
+        seed("mixed", 10, &[], &[251, 0, 1, 7, 1, 1, 2, b'o', b'k']),
+        seed("missing-attachment", 11, &[b"a"], &[0, 1, 5]),
+    ]
+}
+
 pub fn all() -> Vec<Seed> {
     let mut v = frame_seeds();
     v.extend(codec_seeds());
+    v.extend(direct_seeds());
     v.extend(rendezvous_seeds());
     v
 }
