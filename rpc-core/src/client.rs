@@ -780,17 +780,11 @@ fn poll_call<D: DecodeBody<R>, R>(
                     sink_held = true;
                     None
                 } else {
-                    let Some(Ok(msg)) = this.unsent.take() else {
-                        unreachable!("set above")
-                    };
-                    write_own(state, cx, msg)
+                    write_own(state, cx, take_request(this.unsent))
                 }
             } else {
                 look = false;
-                let Some(Ok(msg)) = this.unsent.take() else {
-                    unreachable!("set above")
-                };
-                t.queue(msg)
+                t.queue(take_request(this.unsent))
             }
         };
         if let Some(w) = writer {
@@ -891,6 +885,15 @@ fn poll_call<D: DecodeBody<R>, R>(
             Poll::Pending
         }
     }
+}
+
+/// The request of a call whose first poll found it encoded (see [`Call::unsent`]), taken to be
+/// sent.
+fn take_request(unsent: &mut Option<Result<Message, RpcError>>) -> Message {
+    let Some(Ok(msg)) = unsent.take() else {
+        unreachable!("checked in the first poll")
+    };
+    msg
 }
 
 /// How long a lone call's caller receives for itself before it lets the runtime's other tasks

@@ -103,6 +103,10 @@ thread_local! {
     static CHUNK: RefCell<BytesMut> = RefCell::new(BytesMut::new());
 }
 
+/// The largest scratch buffer a thread keeps: one grown past it by a large non-payload body is
+/// freed.
+const SCRATCH_KEPT: usize = 1 << 20;
+
 /// Size of the per-thread chunks small bodies are cut from.
 const CHUNK_SIZE: usize = 16 * 1024;
 /// Largest body cut from a chunk; larger ones get their own allocation.
@@ -124,8 +128,7 @@ pub(crate) fn encode_body<C: Codec, T: Serialize + ?Sized>(
     let body = SCRATCH.with(|s| match s.try_borrow_mut() {
         Ok(mut buf) => {
             let r = encode(&mut buf, &mut attachments);
-            if buf.capacity() > 1 << 20 {
-                // Do not keep a huge scratch buffer around after a large non-payload body.
+            if buf.capacity() > SCRATCH_KEPT {
                 *buf = Vec::new();
             }
             r
@@ -148,7 +151,7 @@ pub(crate) fn take_scratch() -> Vec<u8> {
 
 /// Puts back a buffer from [`take_scratch`] (unless the thread has one again, or it grew huge).
 pub(crate) fn give_scratch(mut buf: Vec<u8>) {
-    if buf.capacity() > 1 << 20 {
+    if buf.capacity() > SCRATCH_KEPT {
         return;
     }
     buf.clear();

@@ -141,6 +141,11 @@ impl Message {
     pub fn encode_head<B: BufMut>(&self, out: &mut B) {
         // Built on the stack and copied once: cheaper than nine bounds-checked puts.
         out.put_slice(&self.head(self.payload_len()));
+        self.encode_table(out);
+    }
+
+    /// Writes the attachment table: each attachment's length.
+    fn encode_table<B: BufMut>(&self, out: &mut B) {
         for a in &self.attachments {
             out.put_u64_le(a.len() as u64);
         }
@@ -204,9 +209,7 @@ impl Message {
     /// [`encode_into`](Self::encode_into) without the header, for packets that carry the header
     /// in a form of their own (the RDMA transport's short eager packet).
     pub fn encode_rest_into<B: BufMut>(&self, out: &mut B) {
-        for a in &self.attachments {
-            out.put_u64_le(a.len() as u64);
-        }
+        self.encode_table(out);
         out.put_slice(&self.body);
         for a in &self.attachments {
             out.put_slice(a);
