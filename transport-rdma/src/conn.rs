@@ -1056,7 +1056,7 @@ impl RdmaConnection {
     ) -> Result<(), RdmaError> {
         let _permit = self.one_sided_permit(len).await?;
         let rx = post(&self.shared, op)?;
-        wait_completion(&self.shared, rx).await.res
+        wait_one_sided(&self.shared, rx, len).await.res
     }
 
     /// A place in the send queue for one RDMA READ or WRITE of `len` bytes (and its share of
@@ -1136,10 +1136,11 @@ impl RdmaConnection {
             RdmaError::InvalidArgument("payload is not in this connection's pools".into())
         })?;
         let _permit = self.one_sided_permit(payload.len()).await?;
+        let len = payload.len();
         let rx = post(&self.shared, |qp| {
             qp.post_write_view(&region, payload, remote)
         })?;
-        wait_completion(&self.shared, rx).await.res
+        wait_one_sided(&self.shared, rx, len).await.res
     }
 
     /// RDMA READ of `len` bytes of the peer's exposed buffer into pool buffer `buf`, handed back
@@ -1180,7 +1181,7 @@ impl RdmaConnection {
     ) -> Result<PoolBuf, RdmaError> {
         let _permit = self.one_sided_permit(len).await?;
         let rx = post(&self.shared, op)?;
-        let done = wait_completion(&self.shared, rx).await;
+        let done = wait_one_sided(&self.shared, rx, len).await;
         done.res?;
         done.buf.ok_or_else(|| {
             RdmaError::Closed(Some("RDMA operation completed without its buffer".into()))
@@ -1621,6 +1622,24 @@ fn post(
     Ok(rx)
 }
 
+/// Waits for a posted RDMA READ or WRITE of `len` bytes (see [`wait_completion`]), busy-polling
+/// first only if such transfers completed within the spin window of late
+/// ([`SpinWindow::worth_spinning_for`]); records how long it took.
+async fn wait_one_sided(shared: &Shared, rx: oneshot::Receiver<Done>, len: usize) -> Done {
+    let posted = shared.spin.now();
+    let done = if shared.spin.worth_spinning_for(len) {
+        wait_completion(shared, rx).await
+    } else {
+        wait_event(rx).await
+    };
+    if done.res.is_ok() {
+        shared
+            .spin
+            .one_sided_done(len, shared.spin.now().saturating_sub(posted));
+    }
+    done
+}
+
 /// Waits for a posted work request's completion, busy-polling inline first.
 async fn wait_completion(shared: &Shared, mut rx: oneshot::Receiver<Done>) -> Done {
     let mut early = None;
@@ -1637,6 +1656,11 @@ async fn wait_completion(shared: &Shared, mut rx: oneshot::Receiver<Done>) -> Do
     if let Some(r) = early {
         return r;
     }
+    wait_event(rx).await
+}
+
+/// Waits for the completion driver (or another task polling) to hand over a completion.
+async fn wait_event(rx: oneshot::Receiver<Done>) -> Done {
     rx.await.unwrap_or_else(|_| Done {
         res: Err(RdmaError::Closed(Some("completion driver stopped".into()))),
         buf: None,
@@ -1750,6 +1774,10 @@ struct SpinWindow {
     /// nanoseconds from `base` to the last completion a caller found for itself
     /// ([`RdmaConnection::poll_completions`])
     by_caller: AtomicU64,
+    /// nanoseconds per KiB that this connection's RDMA READs and WRITEs took recently, from
+    /// post to completion (queueing behind others included), a moving average; 0 until one
+    /// completed
+    per_kib: AtomicU64,
 }
 
 impl SpinWindow {
@@ -1762,7 +1790,30 @@ impl SpinWindow {
             last: AtomicU64::new(0),
             gap: AtomicU64::new(0),
             by_caller: AtomicU64::new(0),
+            per_kib: AtomicU64::new(0),
         }
+    }
+
+    /// An RDMA READ or WRITE of `len` bytes completed `took` nanoseconds after it was posted.
+    fn one_sided_done(&self, len: usize, took: u64) {
+        let kib = (len as u64 / 1024).max(1);
+        let old = self.per_kib.load(Ordering::Relaxed);
+        let new = took / kib;
+        let avg = if old == 0 {
+            new
+        } else {
+            old - old / 8 + new / 8
+        };
+        self.per_kib.store(avg.max(1), Ordering::Relaxed);
+    }
+
+    /// Whether a task waiting for an RDMA READ or WRITE of `len` bytes should busy-poll for it
+    /// first: not if such transfers took longer than the spin window of late. A spin that cannot
+    /// succeed only takes the CPU from other work (on a soft device, the device's own), while the
+    /// completion driver still finds the completion (and spins itself, for whatever comes next).
+    fn worth_spinning_for(&self, len: usize) -> bool {
+        let kib = (len as u64 / 1024).max(1);
+        self.per_kib.load(Ordering::Relaxed).saturating_mul(kib) < self.window_ns()
     }
 
     /// Nanoseconds since `base`.
@@ -2775,6 +2826,38 @@ mod tests {
                 "{floor}/{ceiling}"
             );
         }
+    }
+
+    #[test]
+    fn transfers_longer_than_the_window_are_not_spun_for() {
+        let w = SpinWindow::new(Duration::from_micros(50), Duration::from_millis(1));
+        assert!(
+            w.worth_spinning_for(16 << 20),
+            "nothing measured yet: spin as for any completion"
+        );
+        // 1 MiB READs taking 4 ms each (250 MiB/s, a soft device's rate)
+        for _ in 0..20 {
+            w.one_sided_done(1 << 20, 4_000 * US);
+        }
+        assert!(
+            !w.worth_spinning_for(1 << 20),
+            "4 ms against a 50 µs window"
+        );
+        assert!(
+            w.worth_spinning_for(8 << 10),
+            "8 KiB at that rate: 31 µs, within the window"
+        );
+        assert!(!w.worth_spinning_for(16 << 10), "16 KiB: 62 µs");
+        // the device gets faster (1 MiB in 20 µs): the average follows within a few transfers
+        for _ in 0..60 {
+            w.one_sided_done(1 << 20, 20 * US);
+        }
+        assert!(w.worth_spinning_for(1 << 20));
+        // a fixed window (busy-poll mode) is compared the same way
+        let fixed = SpinWindow::new(Duration::from_micros(2000), Duration::from_micros(2000));
+        fixed.one_sided_done(1 << 20, 1_000 * US);
+        assert!(fixed.worth_spinning_for(1 << 20), "1 ms within 2 ms");
+        assert!(!fixed.worth_spinning_for(4 << 20), "4 ms beyond it");
     }
 
     #[test]

@@ -8,7 +8,10 @@
 //! RDMA WRITE / READ of registered buffers. Completions reach tokio through the completion channel's fd (`AsyncFd`),
 //! after a busy-poll whose window follows the connection's round trip
 //! ([`RdmaOptions::busy_poll`], [`RdmaOptions::busy_poll_max`]): a connection whose calls follow
-//! each other keeps polling across its round trip, an idle one sleeps. A server may let its
+//! each other keeps polling across its round trip, an idle one sleeps. A task waiting for an
+//! RDMA READ or WRITE polls for it only if the connection's recent transfers took less than
+//! that window for their size; a longer one it leaves to the completion driver, so a large
+//! transfer's wait does not take a CPU (on a soft device, the device's own). A server may let its
 //! drivers poll in bursts without handing back to the runtime ([`RdmaOptions::poll_burst`],
 //! off by default).
 //!
