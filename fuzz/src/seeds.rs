@@ -428,7 +428,6 @@ fn rendezvous_seeds() -> Vec<Seed> {
         .collect()
 }
 
-/// All seeds.
 /// `direct_bodies`: a type byte, the attachments (count, then each one's length and bytes),
 /// the body.
 fn direct_seeds() -> Vec<Seed> {
@@ -451,6 +450,7 @@ fn direct_seeds() -> Vec<Seed> {
     ]
 }
 
+/// All seeds.
 pub fn all() -> Vec<Seed> {
     let mut v = frame_seeds();
     v.extend(codec_seeds());

@@ -1131,12 +1131,12 @@ impl RdmaConnection {
         payload: rpc_core::Payload,
         dst: &RemoteToken,
     ) -> Result<(), RdmaError> {
-        let remote = Self::remote(dst, 0, payload.len())?;
+        let len = payload.len();
+        let remote = Self::remote(dst, 0, len)?;
         let region = self.pool_region_of(&payload).ok_or_else(|| {
             RdmaError::InvalidArgument("payload is not in this connection's pools".into())
         })?;
-        let _permit = self.one_sided_permit(payload.len()).await?;
-        let len = payload.len();
+        let _permit = self.one_sided_permit(len).await?;
         let rx = post(&self.shared, |qp| {
             qp.post_write_view(&region, payload, remote)
         })?;
@@ -1799,9 +1799,8 @@ impl SpinWindow {
     /// moment may overwrite each other's sample (a load, then a store), which an average shrugs
     /// off.
     fn one_sided_done(&self, len: usize, took: u64) {
-        let kib = (len as u64 / 1024).max(1);
         let old = self.per_kib.load(Ordering::Relaxed);
-        let new = took / kib;
+        let new = took / kib(len);
         let avg = if old == 0 {
             new
         } else {
@@ -1815,8 +1814,10 @@ impl SpinWindow {
     /// succeed only takes the CPU from other work (on a soft device, the device's own), while the
     /// completion driver still finds the completion (and spins itself, for whatever comes next).
     fn worth_spinning_for(&self, len: usize) -> bool {
-        let kib = (len as u64 / 1024).max(1);
-        self.per_kib.load(Ordering::Relaxed).saturating_mul(kib) < self.window_ns()
+        self.per_kib
+            .load(Ordering::Relaxed)
+            .saturating_mul(kib(len))
+            < self.window_ns()
     }
 
     /// Nanoseconds since `base`.
@@ -1861,6 +1862,11 @@ impl SpinWindow {
                 .clamp(self.floor, self.ceiling)
         }
     }
+}
+
+/// `len` bytes in whole KiB, at least one (the unit of [`SpinWindow`]'s transfer times).
+fn kib(len: usize) -> u64 {
+    (len as u64 / 1024).max(1)
 }
 
 /// Lets the runtime's other ready tasks run once, then resumes: one turn of a spin loop.
