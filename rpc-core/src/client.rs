@@ -111,6 +111,7 @@ impl Table {
 
     /// Takes a free slot for a new call, whose caller `waker` wakes; returns the call's
     /// request id.
+    #[inline(always)]
     fn register(&mut self, waker: Waker) -> u64 {
         let index = match self.free.pop() {
             Some(i) => i,
@@ -130,12 +131,14 @@ impl Table {
     }
 
     /// The slot of call `id`, if it is still that call's.
+    #[inline]
     fn slot(&mut self, id: u64) -> Option<&mut Slot> {
         let slot = self.slots.get_mut(id as u32 as usize)?;
         (slot.generation == (id >> 32) as u32).then_some(slot)
     }
 
     /// Frees call `id`'s slot for reuse, under a new generation.
+    #[inline(always)]
     fn release(&mut self, id: u64) {
         let index = id as u32;
         let slot = &mut self.slots[index as usize];
@@ -149,6 +152,7 @@ impl Table {
 
     /// Frees call `id`'s slot after its caller took the answer itself, where the transport
     /// received it ([`DirectSend::progress_with`]).
+    #[inline]
     fn taken(&mut self, id: u64) {
         let Some(slot) = self.slot(id) else { return };
         // (a connection closed meanwhile counted it out already)
@@ -955,6 +959,7 @@ thread_local! {
 impl SpinState {
     /// One burst of receiving for the answer to call `id` (see
     /// [`DirectSend::progress_with`]), after counting the caller in on this thread.
+    #[inline(always)]
     fn burst(
         &mut self,
         direct: &dyn DirectSend,

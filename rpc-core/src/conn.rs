@@ -170,11 +170,17 @@ pub(crate) fn give_scratch(mut buf: Vec<u8>) {
 /// small body is a view into a per-thread 16 KiB chunk shared by many bodies (the chunk is
 /// freed when the last of them is dropped), so it costs a reference count instead of a
 /// `malloc` and a `free`; a larger one is allocated to size.
+#[inline]
 pub(crate) fn body_bytes(encoded: &[u8]) -> Bytes {
     // empty, or one byte (a lone payload's index): no memory of its own
-    if let Some(tiny) = crate::wire::tiny_body(encoded) {
-        return tiny;
+    match crate::wire::tiny_body(encoded) {
+        Some(tiny) => tiny,
+        None => copied_body(encoded),
     }
+}
+
+/// [`body_bytes`] of a body longer than a byte.
+fn copied_body(encoded: &[u8]) -> Bytes {
     if encoded.len() > CHUNK_MAX_BODY {
         return Bytes::copy_from_slice(encoded);
     }

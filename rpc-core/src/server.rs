@@ -701,6 +701,7 @@ struct Handlers {
 impl Handlers {
     /// Whether call `id` has a handler running in a task of its own (a duplicate request id).
     /// Only those are in `calls`; with none running there is no lock to take.
+    #[inline]
     fn has(&self, id: u64) -> bool {
         !self.tracker.is_empty() && self.calls.lock().contains_key(&id)
     }

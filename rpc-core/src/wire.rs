@@ -183,6 +183,7 @@ impl Message {
     /// which must be exactly [`payload_len`](Self::payload_len) bytes long (it panics
     /// otherwise): for [`encode_exact`](Self::encode_exact), and for packets that carry the
     /// header in a form of their own (the RDMA transport's short eager packet).
+    #[inline(always)]
     pub fn encode_rest_exact(&self, out: &mut [u8]) {
         let (table, rest) = out.split_at_mut(8 * self.attachments.len());
         for (entry, a) in table.chunks_exact_mut(8).zip(&self.attachments) {
@@ -491,6 +492,7 @@ impl<'a> FrameRef<'a> {
     }
 
     /// Its attachments copied into payloads of their own (an empty one allocates nothing).
+    #[inline]
     pub fn to_attachments(&self) -> Attachments {
         self.attachments()
             .map(|a| Payload::from(Bytes::copy_from_slice(a)))
@@ -516,6 +518,7 @@ static BYTE_VALUES: [u8; 256] = {
 /// into attachments, so a method whose argument or result is a lone [`Payload`] (a block, an
 /// object) has a body that is just that payload's index, one byte. Such a body then costs
 /// neither a copy into a shared chunk nor its reference count, on either side.
+#[inline]
 pub fn tiny_body(body: &[u8]) -> Option<Bytes> {
     match body {
         [] => Some(Bytes::new()),

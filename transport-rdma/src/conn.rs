@@ -2329,6 +2329,7 @@ fn read_in_place<R>(
 
 /// Posts a receive slot again, unless the connection is closing (its QP flushes what is
 /// posted: the slot goes back to the pool instead); whether it did.
+#[inline(always)]
 fn repost(shared: &Shared, buf: PoolBuf) -> bool {
     if shared.check_open().is_err() {
         return false;

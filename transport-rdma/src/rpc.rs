@@ -983,6 +983,7 @@ struct Engine {
 }
 
 /// Encodes eager messages into one packet that fills `out` exactly: alone, or as a batch.
+#[inline]
 fn encode_eager(out: &mut [u8], credits: u16, msgs: &[Message]) {
     match msgs {
         [one] => Packet::encode_eager_exact(out, credits, one),

@@ -828,6 +828,7 @@ impl Cq {
     /// Calls `ibv_poll_cq` directly into `into`'s array: sideway's `start_poll` allocates a
     /// vector for every poll, an empty one included, which a spinning completion driver pays
     /// on every turn.
+    #[inline(always)]
     pub(crate) fn poll(&self, into: &mut Polled) -> Result<usize, RdmaError> {
         into.wcs.clear();
         let raw = &mut *into.raw;

@@ -126,15 +126,23 @@ impl DirectOut {
         }
     }
 
+    #[inline]
     fn write(&mut self, bytes: &[u8]) {
+        if self.spill.is_none() {
+            if let Some(room) = self.inline.get_mut(self.len..self.len + bytes.len()) {
+                room.copy_from_slice(bytes);
+                self.len += bytes.len();
+                return;
+            }
+        }
+        self.write_spilled(bytes);
+    }
+
+    /// [`write`](Self::write) past the inline room: into the thread's scratch buffer.
+    fn write_spilled(&mut self, bytes: &[u8]) {
         let spill = match &mut self.spill {
             Some(spill) => spill,
             None => {
-                if let Some(room) = self.inline.get_mut(self.len..self.len + bytes.len()) {
-                    room.copy_from_slice(bytes);
-                    self.len += bytes.len();
-                    return;
-                }
                 let mut spill = crate::conn::take_scratch();
                 spill.clear();
                 spill.extend_from_slice(&self.inline[..self.len]);
@@ -146,6 +154,7 @@ impl DirectOut {
 
     /// bincode's variable-length unsigned integer: one byte below 251, else a tag (251, 252,
     /// 253) and 2, 4 or 8 bytes, little-endian.
+    #[inline]
     fn varint(&mut self, v: u64) {
         if v < 251 {
             self.write(&[v as u8]);
@@ -161,6 +170,7 @@ impl DirectOut {
         }
     }
 
+    #[inline(always)]
     fn finish(self) -> (Bytes, Attachments) {
         let body = match self.spill {
             None => crate::conn::body_bytes(&self.inline[..self.len]),
@@ -185,6 +195,7 @@ fn unexpected_end() -> CodecError {
 }
 
 impl DirectIn<'_> {
+    #[inline]
     fn take<const N: usize>(&mut self) -> Result<[u8; N], CodecError> {
         let (head, tail) = self
             .rest
@@ -194,6 +205,7 @@ impl DirectIn<'_> {
         Ok(*head)
     }
 
+    #[inline]
     fn byte(&mut self) -> Result<u8, CodecError> {
         Ok(self.take::<1>()?[0])
     }
@@ -322,12 +334,14 @@ impl Direct for String {
 
 impl sealed::Sealed for Payload {}
 impl Direct for Payload {
+    #[inline(always)]
     fn put(&self, out: &mut DirectOut) {
         // as `Payload`'s `Serialize` inside a frame: lifted out, written as its index
         let index = out.attachments.len() as u64;
         out.attachments.push(self.clone());
         out.varint(index);
     }
+    #[inline(always)]
     fn get(inp: &mut DirectIn<'_>) -> Result<Self, CodecError> {
         let i = inp.varint(32)? as usize;
         inp.attachments.get(i).cloned().ok_or_else(|| {
