@@ -28,9 +28,11 @@ import sys
 
 
 def load(path):
-    """(object, function, address) -> self cost (Ir) of one callgrind output."""
+    """Of one callgrind output: (object, function, address) -> self cost (Ir), and
+    (caller, callee) -> how many calls."""
     cost = collections.defaultdict(int)
-    ob = fn = None
+    calls = collections.Counter()
+    ob = fn = cfn = None
     skip = False
     with open(path) as f:
         for line in f:
@@ -41,12 +43,15 @@ def load(path):
                 ob = line[3:].strip()
             elif line.startswith("fn="):
                 fn = line[3:].strip()
+            elif line.startswith("cfn="):
+                cfn = line[4:].strip()
             elif line.startswith("calls="):
+                calls[(fn, cfn)] += int(line.split()[0][6:])
                 skip = True
             elif line.startswith("0x"):
                 p = line.split()
                 cost[(ob, fn, int(p[0], 16))] += int(p[-1])
-    return cost
+    return cost, calls
 
 
 def lines(per, every, binary, root, top):
@@ -90,6 +95,37 @@ def lines(per, every, binary, root, top):
         print(f"  {n:5d}  {at}")
 
 
+def demangle(names):
+    """`names` demangled (as they are if c++filt is missing)."""
+    try:
+        return subprocess.run(["c++filt"], input="\n".join(names), capture_output=True,
+                              text=True, check=True).stdout.split("\n")
+    except (OSError, subprocess.CalledProcessError):
+        return list(names)
+
+
+def print_calls(short, long_, calls, top):
+    """Prints the function calls made per call, and the TOP callees with their main caller.
+
+    Under TCG a call and its return cost about as much as ~25 instructions (each return, and
+    each indirect call, looks up its target's translated block): docs/latency.md, "Fewer
+    calls on the small call's path"."""
+    per_callee = collections.Counter()
+    caller = {}
+    for k, c in long_.items():
+        d = (c - short.get(k, 0)) / calls
+        if d >= 0.5:
+            per_callee[k[1]] += d
+            if d > caller.get(k[1], (0, None))[0]:
+                caller[k[1]] = (d, k[0])
+    rows = per_callee.most_common(top)
+    names = demangle([c or "?" for c, _ in rows] + [caller[c][1] or "?" for c, _ in rows])
+    print(f"  {sum(per_callee.values()):.0f} function calls per call; the {len(rows)} callees "
+          "called most (calls per call, callee, its main caller):")
+    for i, (_, n) in enumerate(rows):
+        print(f"  {n:6.2f}  {names[i][:90]}  <- {names[len(rows) + i][:60]}")
+
+
 def main():
     args = sys.argv[1:]
     binary = root = None
@@ -101,7 +137,7 @@ def main():
         args = args[:i]
     if len(args) < 3:
         sys.exit(__doc__)
-    short, long_ = load(args[0]), load(args[1])
+    (short, short_calls), (long_, long_calls) = load(args[0]), load(args[1])
     calls = int(args[2])
     top = int(args[3]) if len(args) > 3 else 25
     if calls <= 0:
@@ -124,16 +160,12 @@ def main():
     for o, n in by_ob.most_common():
         print(f"  {n:6d}  {o}")
     rows = by_fn.most_common(top)
-    names = "\n".join(fn or "?" for (_, fn), _ in rows)
-    try:
-        demangled = subprocess.run(["c++filt"], input=names, capture_output=True,
-                                   text=True, check=True).stdout.split("\n")
-    except (OSError, subprocess.CalledProcessError):
-        demangled = names.split("\n")
+    demangled = demangle([fn or "?" for (_, fn), _ in rows])
     print(f"  {len(by_fn)} functions; the {len(rows)} with the most distinct instructions "
           "(distinct, executed per call, object, function):")
     for ((o, fn), n), name in zip(rows, demangled):
         print(f"  {n:5d} {ir_fn[(o, fn)] / calls:7.0f}  {o[:24]:24s} {name[:140]}")
+    print_calls(short_calls, long_calls, calls, top)
     if binary:
         import os
         lines(per, long_, binary, (root or os.getcwd()).rstrip("/") + "/", top)
