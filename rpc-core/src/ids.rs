@@ -63,6 +63,7 @@ const GENERATION_MASK: u64 = (1 << 24) - 1;
 
 impl<V> IdSlab<V> {
     /// Holds `value` in a free slot; returns its id, whose top 8 bits are `tag`'s.
+    #[inline(always)]
     pub fn insert(&mut self, tag: u8, value: V) -> u64 {
         let index = match self.free.pop() {
             Some(i) => i,

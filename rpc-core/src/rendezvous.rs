@@ -313,6 +313,7 @@ impl Packet {
     /// [`encode_eager`](Self::encode_eager) into `out`, which must be exactly
     /// [`Packet::eager_len`] bytes long (it panics otherwise; see [`Message::encode_exact`]):
     /// a small message's send path.
+    #[inline(always)]
     pub fn encode_eager_exact(out: &mut [u8], credits: u16, msg: &Message) {
         if is_short(msg) {
             let (head, rest) = out
@@ -503,6 +504,7 @@ impl Packet {
     /// malformed packet included: [`Packet::parse`] then handles it (and refuses what is
     /// malformed), so a caller that falls back to it loses nothing. What this accepts, `parse`
     /// accepts as [`Packet::Eager`] with the same header, body and attachments.
+    #[inline(always)]
     pub fn peek_eager<'s>(slot: &'s [u8], limits: &Limits) -> Option<Eager<'s>> {
         if slot.first() == Some(&T_EAGER_SHORT) {
             let (head, rest) = slot.split_first_chunk::<SHORT_HEADER_LEN>()?;

@@ -758,15 +758,19 @@ where
         std::panic::catch_unwind(AssertUnwindSafe(|| work.poll(&mut cx)))
     };
     let outcome: Outcome = match first {
+        // (the finished future, which holds nothing now, is dropped by the next request's
+        // `set`, off the path from this request to its answer)
         Ok(Poll::Ready(r)) => Ok(r),
-        Err(panic) => Err(panic),
+        Err(panic) => {
+            inline.set(None);
+            Err(panic)
+        }
         Ok(Poll::Pending) => {
             let work = Inline(std::mem::replace(inline, Box::pin(None)));
             to.spawn(work, call, Slot(slots.clone()));
             return None;
         }
     };
-    inline.set(None);
     slots.give();
     Some(reply_message(call.id, call.name, outcome))
 }

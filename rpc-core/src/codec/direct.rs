@@ -212,9 +212,17 @@ impl DirectIn<'_> {
 
     /// bincode's variable-length unsigned integer, for a type of `bits` bits: tags it would
     /// not write for that width are refused, as bincode refuses them.
+    #[inline]
     fn varint(&mut self, bits: u32) -> Result<u64, CodecError> {
-        let v = match self.byte()? {
-            b @ 0..=250 => u64::from(b),
+        match self.byte()? {
+            b @ 0..=250 => Ok(u64::from(b)),
+            tag => self.varint_tagged(tag, bits),
+        }
+    }
+
+    /// [`varint`](Self::varint) of 251 and more, whose first byte `tag` was read.
+    fn varint_tagged(&mut self, tag: u8, bits: u32) -> Result<u64, CodecError> {
+        let v = match tag {
             251 if bits >= 16 => u64::from(u16::from_le_bytes(self.take()?)),
             252 if bits >= 32 => u64::from(u32::from_le_bytes(self.take()?)),
             253 if bits >= 64 => u64::from_le_bytes(self.take()?),

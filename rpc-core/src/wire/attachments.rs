@@ -43,7 +43,16 @@ impl Attachments {
     }
 
     /// Appends `payload`.
+    #[inline]
     pub fn push(&mut self, payload: Payload) {
+        match self.0 {
+            Repr::None => self.0 = Repr::One([payload]),
+            _ => self.push_more(payload),
+        }
+    }
+
+    /// [`push`](Self::push) to attachments that hold one or more.
+    fn push_more(&mut self, payload: Payload) {
         self.0 = match std::mem::take(&mut self.0) {
             Repr::None => Repr::One([payload]),
             Repr::One([first]) => Repr::Many(vec![first, payload]),
