@@ -758,8 +758,8 @@ where
         std::panic::catch_unwind(AssertUnwindSafe(|| work.poll(&mut cx)))
     };
     let outcome: Outcome = match first {
-        // (the finished future, which holds nothing now, is dropped by the next request's
-        // `set`, off the path from this request to its answer)
+        // (the finished future, `handler_future`'s, which holds nothing once finished, is
+        // dropped by the next request's `set`, off the path from this request to its answer)
         Ok(Poll::Ready(r)) => Ok(r),
         Err(panic) => {
             inline.set(None);
