@@ -882,7 +882,13 @@ impl RdmaConnection {
                 let answer = ev.peer.unwrap_or(ReadDepth::ONE);
                 let depth = ReadDepth::connecting(limit, answer);
                 id.modify_qp(&prepared.qp, CmQpState::ReadyToReceive(depth))?;
-                id.modify_qp(&prepared.qp, CmQpState::ReadyToSend(depth))?;
+                id.modify_qp(
+                    &prepared.qp,
+                    CmQpState::ReadyToSend(
+                        depth,
+                        opts.ack_timeout.map(crate::ack_timeout_exponent),
+                    ),
+                )?;
                 id.establish()?;
             }
             // iWARP: the provider's connection manager moved the QP to RTS
@@ -1033,6 +1039,16 @@ impl RdmaConnection {
     /// reports them now (what rdma_cm negotiated; see [`RdmaOptions::read_depth`]).
     pub fn read_depth(&self) -> Result<ReadDepth, RdmaError> {
         self.shared.qp.read_depth()
+    }
+
+    /// The local ACK timeout of this connection's queue pair, as the device reports it now
+    /// (see [`RdmaOptions::ack_timeout`]); `None` on iWARP, where TCP retransmits.
+    pub fn ack_timeout(&self) -> Result<Option<std::time::Duration>, RdmaError> {
+        if self.shared.qp.device().transport() == Transport::IWarp {
+            return Ok(None);
+        }
+        let n = self.shared.qp.ack_timeout_exponent()?;
+        Ok((n > 0).then(|| std::time::Duration::from_nanos(4096u64 << n)))
     }
 
     /// The most bytes a SEND of this connection carries inline: copied into the work request
@@ -2587,7 +2603,10 @@ impl PendingConnection {
         if prepared.qp.device().transport() != Transport::IWarp {
             // InfiniBand/RoCE: RTR and RTS before accepting; on iWARP the provider does it
             id.modify_qp(&prepared.qp, CmQpState::ReadyToReceive(depth))?;
-            id.modify_qp(&prepared.qp, CmQpState::ReadyToSend(depth))?;
+            id.modify_qp(
+                &prepared.qp,
+                CmQpState::ReadyToSend(depth, opts.ack_timeout.map(crate::ack_timeout_exponent)),
+            )?;
         }
         id.accept(&prepared.qp, depth)?;
         let ev = next_cm_event(&mut rx, deadline, "the connection to be established").await?;

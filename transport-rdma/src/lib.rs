@@ -280,6 +280,22 @@ pub const DEFAULT_INFLIGHT_BYTES: u64 = 16 << 20;
 /// 2026-12-05; docs/latency.md, "Small SENDs inline").
 pub const DEFAULT_MAX_INLINE: u32 = 64;
 
+/// The default of [`RdmaOptions::ack_timeout`]: 4.096 µs × 2^14 ≈ 67 ms, what perftest and
+/// brpc's RDMA transport give their queue pairs (`DEF_QP_TIME` in perftest's
+/// `src/perftest_parameters.h`, `TIMEOUT` in brpc's `src/brpc/rdma/rdma_endpoint.cpp`), rather
+/// than rdma_cm's 2^19 × 4.096 µs ≈ 2.1 s for RoCE under Debian's 6.1 kernel: over a lossy
+/// link every lost READ response packet cost a whole timeout on Soft-RoCE, and with rdma_cm's
+/// a 3 MiB call did not finish in 20 s (docs/rdma-history.md, "A lossy RoCE link").
+pub const DEFAULT_ACK_TIMEOUT: Duration = Duration::from_nanos(4096 << 14);
+
+/// The local ACK timeout exponent a queue pair gets for [`RdmaOptions::ack_timeout`]: the
+/// smallest `n` in 1..=31 with 4.096 µs × 2^n at least `timeout` (31 for anything longer; 0
+/// would mean no timeout at all, which a connection never asks for).
+pub fn ack_timeout_exponent(timeout: Duration) -> u8 {
+    let ns = timeout.as_nanos();
+    (1..=31u8).find(|&n| 4096u128 << n >= ns).unwrap_or(31)
+}
+
 /// Tuning of a connection.
 #[derive(Debug, Clone)]
 pub struct RdmaOptions {
@@ -312,6 +328,18 @@ pub struct RdmaOptions {
     pub poll_burst: Duration,
     /// limit for address/route resolution and connection establishment
     pub connect_timeout: Duration,
+    /// The queue pair's local ACK timeout on InfiniBand and RoCE: how long a request without
+    /// an acknowledgement (or a READ without its response) waits before the device sends it
+    /// again. The device takes a power of two, 4.096 µs × 2^n; a connection gets the smallest
+    /// that is at least this (from 8.2 µs to about 2.4 hours; [`ack_timeout_exponent`]).
+    /// The default is [`DEFAULT_ACK_TIMEOUT`] (about 67 ms); `None` takes rdma_cm's value for
+    /// the path (on RoCE under Debian's 6.1 kernel, 2^19 × 4.096 µs ≈ 2.1 s). On a link that
+    /// loses or reorders packets a shorter one recovers sooner: Soft-RoCE drops every packet of
+    /// a READ response after a missing one and asks again only when this runs out, so each
+    /// loss costs a whole timeout. Too short a one sends again what is only late, on a
+    /// congested fabric; after 7 timeouts in a row without progress the connection fails.
+    /// iWARP ignores it (TCP retransmits).
+    pub ack_timeout: Option<Duration>,
     /// if set, connections must run on this RDMA device (e.g. `rxe0`), else they fail
     pub device: Option<String>,
     /// rendezvous direction by size: a message with at most this many bulk (attachment)
@@ -379,6 +407,7 @@ impl Default for RdmaOptions {
             busy_poll_max: Duration::from_millis(1),
             poll_burst: Duration::ZERO,
             connect_timeout: Duration::from_secs(10),
+            ack_timeout: Some(DEFAULT_ACK_TIMEOUT),
             device: None,
             push_up_to: DEFAULT_PUSH_UP_TO,
             max_fallback_bytes: DEFAULT_MAX_FALLBACK_BYTES,
@@ -425,6 +454,22 @@ mod tests {
         assert_eq!(ReadDepth::accepting(8, depth(2, 4)), depth(4, 2));
         // a peer that offers none still gets one each way: every connection pulls
         assert_eq!(ReadDepth::accepting(8, depth(0, 0)), depth(1, 1));
+    }
+
+    #[test]
+    fn ack_timeouts_round_up_to_the_devices_powers_of_two() {
+        use super::ack_timeout_exponent as exp;
+        use std::time::Duration;
+        assert_eq!(exp(super::DEFAULT_ACK_TIMEOUT), 14);
+        assert_eq!(exp(Duration::ZERO), 1);
+        assert_eq!(exp(Duration::from_nanos(8192)), 1);
+        assert_eq!(exp(Duration::from_nanos(8193)), 2);
+        // 4.096 µs × 2^14 = 67.1 ms
+        assert_eq!(exp(Duration::from_millis(67)), 14);
+        assert_eq!(exp(Duration::from_millis(68)), 15);
+        assert_eq!(exp(Duration::from_millis(536)), 17);
+        assert_eq!(exp(Duration::from_secs(3600)), 30);
+        assert_eq!(exp(Duration::from_secs(1 << 20)), 31);
     }
 
     #[test]

@@ -96,7 +96,8 @@ impl RdmaOptions {
     /// receive queue), `push_up_to=N` or
     /// `rendezvous=pull|push` (see [`RdmaOptions::push_up_to`]), `max_fallback_bytes=N`,
     /// `large_buffer_bytes=N`, `read_depth=N` (1 to 255, see [`RdmaOptions::read_depth`]),
-    /// `inflight_bytes=N`, `max_inline=N` (see [`RdmaOptions::max_inline`]).
+    /// `inflight_bytes=N`, `max_inline=N` (see [`RdmaOptions::max_inline`]),
+    /// `ack_timeout_ms=N` ([`RdmaOptions::ack_timeout`]; 0: rdma_cm's value).
     /// Other options are ignored.
     pub fn from_endpoint(ep: &rpc_core::Endpoint) -> Result<RdmaOptions, RdmaError> {
         let mut o = RdmaOptions::default();
@@ -129,6 +130,10 @@ impl RdmaOptions {
                 }
                 "busy_poll_max_us" => max = Some(std::time::Duration::from_micros(num(k, v)?)),
                 "poll_burst_us" => o.poll_burst = std::time::Duration::from_micros(num(k, v)?),
+                "ack_timeout_ms" => {
+                    o.ack_timeout =
+                        Some(std::time::Duration::from_millis(num(k, v)?)).filter(|t| !t.is_zero());
+                }
                 "recv_slots" => o.recv_slots = num(k, v)? as usize,
                 "push_up_to" => o.push_up_to = num(k, v)?,
                 "max_fallback_bytes" => o.max_fallback_bytes = num(k, v)?,
@@ -2152,5 +2157,21 @@ mod tests {
             let err = RdmaOptions::from_endpoint(&ep).expect_err(bad).to_string();
             assert!(err.contains("read_depth"), "{bad}: {err}");
         }
+    }
+
+    #[test]
+    fn ack_timeout_from_the_endpoint() {
+        use std::time::Duration;
+        assert_eq!(opts("").ack_timeout, Some(crate::DEFAULT_ACK_TIMEOUT));
+        assert_eq!(opts("ack_timeout_ms=0").ack_timeout, None);
+        assert_eq!(
+            opts("ack_timeout_ms=67").ack_timeout,
+            Some(Duration::from_millis(67))
+        );
+        let ep: rpc_core::Endpoint = "rdma://h:1?ack_timeout_ms=soon".parse().unwrap();
+        let err = RdmaOptions::from_endpoint(&ep)
+            .expect_err("soon")
+            .to_string();
+        assert!(err.contains("ack_timeout_ms"), "{err}");
     }
 }

@@ -593,7 +593,7 @@ impl CmId {
         attr.qp_state = match state {
             CmQpState::Init => ibv_qp_state::IBV_QPS_INIT,
             CmQpState::ReadyToReceive(_) => ibv_qp_state::IBV_QPS_RTR,
-            CmQpState::ReadyToSend(_) => ibv_qp_state::IBV_QPS_RTS,
+            CmQpState::ReadyToSend(..) => ibv_qp_state::IBV_QPS_RTS,
         };
         let mut mask: i32 = 0;
         // SAFETY: the id is live; the call fills in `attr` and `mask` for `attr.qp_state`.
@@ -622,9 +622,21 @@ impl CmId {
                     mask |= flag(ibv_qp_attr_mask::IBV_QP_ACCESS_FLAGS)
                         | flag(ibv_qp_attr_mask::IBV_QP_MAX_DEST_RD_ATOMIC);
                 }
-                CmQpState::ReadyToSend(depth) => {
+                CmQpState::ReadyToSend(depth, ack_timeout) => {
                     attr.max_rd_atomic = depth.initiator;
                     mask |= flag(ibv_qp_attr_mask::IBV_QP_MAX_QP_RD_ATOMIC);
+                    let cm = attr.timeout;
+                    if let Some(t) = ack_timeout {
+                        attr.timeout = t;
+                        mask |= flag(ibv_qp_attr_mask::IBV_QP_TIMEOUT);
+                    }
+                    tracing::debug!(
+                        rdma_cm = cm,
+                        timeout = attr.timeout,
+                        retry_cnt = attr.retry_cnt,
+                        rnr_retry = attr.rnr_retry,
+                        "queue pair's local ACK timeout (4.096 us x 2^timeout)"
+                    );
                 }
             }
         }
@@ -659,7 +671,9 @@ fn open_device(name: &str) -> Result<Arc<DeviceContext>, RdmaError> {
 pub(crate) enum CmQpState {
     Init,
     ReadyToReceive(ReadDepth),
-    ReadyToSend(ReadDepth),
+    /// with the local ACK timeout's exponent if the options set one
+    /// ([`crate::RdmaOptions::ack_timeout`])
+    ReadyToSend(ReadDepth, Option<u8>),
 }
 
 // ------------------------------------------------------------------------------------------------
@@ -1224,6 +1238,19 @@ impl Qp {
             responder: attr.max_dest_rd_atomic,
             initiator: attr.max_rd_atomic,
         })
+    }
+
+    /// The QP's local ACK timeout exponent (4.096 µs × 2^n), as the device reports it now.
+    pub(crate) fn ack_timeout_exponent(&self) -> Result<u8, RdmaError> {
+        // SAFETY: all-zero attribute blocks are valid values (plain integers and structs of
+        // them).
+        let (mut attr, mut init): (ibv_qp_attr, ibv_qp_init_attr) =
+            unsafe { (std::mem::zeroed(), std::mem::zeroed()) };
+        let mask = ibv_qp_attr_mask::IBV_QP_TIMEOUT.0;
+        // SAFETY: the QP is live; the call only writes the two blocks.
+        let ret = unsafe { ibv_query_qp(self.qp.qp.as_ptr(), &mut attr, mask as i32, &mut init) };
+        errno_result("ibv_query_qp", ret)?;
+        Ok(attr.timeout)
     }
 
     fn modify(&self, attr: &QueuePairAttribute, op: &'static str) -> Result<(), RdmaError> {

@@ -285,6 +285,39 @@ async fn read_depth_is_negotiated() {
     .expect("test timed out");
 }
 
+/// Each side's queue pair gets the local ACK timeout its options ask for (the default, about
+/// 67 ms, or a given one rounded up to the device's power of two) on RoCE; on iWARP there is
+/// none (TCP retransmits).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn ack_timeout_reaches_the_queue_pair() {
+    let (dev, addr) = target(20_017);
+    tokio::time::timeout(LIMIT, async move {
+        let listener = RdmaListener::bind(addr, RdmaOptions::default()).expect("bind/listen");
+        let short = RdmaOptions {
+            ack_timeout: Some(Duration::from_millis(1)),
+            ..RdmaOptions::default()
+        };
+        let (server, client) =
+            tokio::join!(listener.accept(), RdmaConnection::connect(addr, short));
+        let (server, client) = (server.expect("accept"), client.expect("connect"));
+        let (s, c) = (
+            server.ack_timeout().expect("server QP"),
+            client.ack_timeout().expect("client QP"),
+        );
+        if client.transport() == transport_rdma::TransportKind::IWarp {
+            assert_eq!((s, c), (None, None), "iWARP has no local ACK timeout");
+        } else {
+            // 4.096 µs × 2^14 and × 2^8
+            assert_eq!(s, Some(transport_rdma::DEFAULT_ACK_TIMEOUT), "server");
+            assert_eq!(c, Some(Duration::from_nanos(4096 << 8)), "client");
+        }
+        println!("device {dev}: local ACK timeouts: server {s:?}, client {c:?}");
+        client.close();
+    })
+    .await
+    .expect("test timed out");
+}
+
 /// A listener bound to port 0 reports the port rdma_cm picked for it, and a client reaches it
 /// there: two such listeners on one address get two ports, each serving its own client; one
 /// bound to a given port reports that port.
