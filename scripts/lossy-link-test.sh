@@ -28,7 +28,8 @@
 # Env: LOSSY_SECS (seconds of calls per transport, default 20), LOSSY_TRANSPORTS (default
 #      "tcp siw rxe"), LOSSY_NETEM (netem for TCP and siw, default below), LOSSY_NETEM_RXE
 #      (netem for rxe), LOSSY_CLIENT_ARGS (driver arguments, default below),
-#      LOSSY_CLIENT_ARGS_RXE (more driver arguments on rxe, default below), CARGO_TARGET_DIR,
+#      LOSSY_CLIENT_ARGS_RXE (more driver arguments on rxe, default none), LOSSY_RXE_OPTS (more
+#      endpoint options for both rxe ends, default none), CARGO_TARGET_DIR,
 #      LOSSY_OUT (shared folder, default $CARGO_TARGET_DIR/lossy-link-test), LOSSY_TIMEOUT
 #      (guest hard timeout, s, default 900), RDMA_VM_DIR (image cache). RUST_LOG is passed on.
 set -euo pipefail
@@ -42,17 +43,21 @@ TRANSPORTS=${LOSSY_TRANSPORTS:-tcp siw rxe}
 # Both directions get this (it applies on each veth end's egress). Jitter reorders packets.
 NETEM=${LOSSY_NETEM:-delay 10ms 2ms loss 1% duplicate 0.5% corrupt 0.1% limit 20000}
 # RoCE RC has go-back-N recovery (a lost or reordered packet costs the rest of the window, a
-# lost tail a retransmission timeout), so rxe gets a gentler link.
+# lost tail a retransmission timeout), so rxe gets a gentler link: no jitter, a fifth of the loss.
 # Measured in this guest with perftest at 10 ms delay and 1 % loss each way: ib_send_lat's
 # rdma_cm connect failed, ib_write_bw (200 x 64 KiB) and ib_read_bw (100 x 1 MiB) did not finish
-# in 35 s, ib_read_bw 64 KiB ran at 0.86 MB/s: rxe's retransmission timeouts dominate.
-# With 0.2 % loss at 5 ms, one rdma-rpc connection on rxe went silent for 15 s (keep-alive
-# closed it; calls ended by their deadlines), so rxe gets a light loss rate.
-NETEM_RXE=${LOSSY_NETEM_RXE:-delay 5ms loss 0.05% duplicate 0.1% reorder 0.2% corrupt 0.01% limit 20000}
-# The link is shared by the callers: fewer of them, and deadlines that allow for that.
+# in 35 s, ib_read_bw 64 KiB ran at 0.86 MB/s: rxe's retransmission timeouts dominate. Soft-RoCE
+# drops every READ response packet after a missing one and asks again only when the queue
+# pair's local ACK timeout runs out; with rdma_cm's (2.1 s) one 3 MiB call could hold a
+# connection for 20 s. rdma-rpc's default, ~67 ms (RdmaOptions::ack_timeout), carried 62-69
+# calls in 20 s over this link (docs/rdma-history.md, "A lossy RoCE link").
+NETEM_RXE=${LOSSY_NETEM_RXE:-delay 5ms loss 0.2% duplicate 0.2% reorder 0.5% corrupt 0.05% limit 20000}
+# The link is shared by the callers: few of them, and deadlines that allow for that.
 CLIENT_ARGS=${LOSSY_CLIENT_ARGS:---concurrency 4 --deadline-ms 3000 --deadline-rate 0.15}
-CLIENT_ARGS_RXE=${LOSSY_CLIENT_ARGS_RXE:---concurrency 2 --deadline-rate 0.1}
-case "${1:-}" in -h|--help) sed -n '2,33p' "$0"; exit 0 ;; "") ;; *) echo "lossy-link-test: unknown argument $1" >&2; exit 2 ;; esac
+CLIENT_ARGS_RXE=${LOSSY_CLIENT_ARGS_RXE:-}
+# more endpoint options for both rxe ends (e.g. ack_timeout_ms=0 for rdma_cm's timeout)
+RXE_OPTS=${LOSSY_RXE_OPTS:-}
+case "${1:-}" in -h|--help) sed -n '2,34p' "$0"; exit 0 ;; "") ;; *) echo "lossy-link-test: unknown argument $1" >&2; exit 2 ;; esac
 T0=$(date +%s)
 say() { echo "lossy-link-test: [$(( $(date +%s) - T0 ))s] $*"; }
 
@@ -75,8 +80,8 @@ cp "$exe" "$OUT/lossy-link"
 
 # ---- 2. what runs in the guest
 {
-  printf 'SECS=%q\nTRANSPORTS=%q\nNETEM=%q\nNETEM_RXE=%q\nCLIENT_ARGS=%q\nCLIENT_ARGS_RXE=%q\n' \
-    "$SECS" "$TRANSPORTS" "$NETEM" "$NETEM_RXE" "$CLIENT_ARGS" "$CLIENT_ARGS_RXE"
+  printf 'SECS=%q\nTRANSPORTS=%q\nNETEM=%q\nNETEM_RXE=%q\nCLIENT_ARGS=%q\nCLIENT_ARGS_RXE=%q\nRXE_OPTS=%q\n' \
+    "$SECS" "$TRANSPORTS" "$NETEM" "$NETEM_RXE" "$CLIENT_ARGS" "$CLIENT_ARGS_RXE" "$RXE_OPTS"
   [ -n "${RUST_LOG:-}" ] && printf 'export RUST_LOG=%q\n' "$RUST_LOG"
 } > "$OUT/guest-env.sh"
 cat > "$OUT/guest-lossy.sh" <<'GEOF'
@@ -204,8 +209,8 @@ for tr in $TRANSPORTS; do
     tcp) [ $NS_OK = 1 ] && run tcp "$NS_S" "$NS_C" tcp://10.98.0.1:7600 "tcp://10.98.0.1:7600?$CEP_OPTS" veth-s veth-c "$NETEM" ;;
     siw) [ $NS_OK = 1 ] && run siw "$NS_S" "$NS_C" "rdma://10.98.0.1:7601?device=siw_s" \
            "rdma://10.98.0.1:7601?device=siw_c&$CEP_OPTS" veth-s veth-c "$NETEM" ;;
-    rxe) [ $RXE_OK = 1 ] && run rxe "" "" "rdma://10.98.2.1:7602?device=rxe_xs" \
-           "rdma://10.98.2.1:7602?device=rxe_xc&$CEP_OPTS" veth-xs veth-xc "$NETEM_RXE" "$CLIENT_ARGS_RXE" ;;
+    rxe) [ $RXE_OK = 1 ] && run rxe "" "" "rdma://10.98.2.1:7602?device=rxe_xs${RXE_OPTS:+&$RXE_OPTS}" \
+           "rdma://10.98.2.1:7602?device=rxe_xc&$CEP_OPTS${RXE_OPTS:+&$RXE_OPTS}" veth-xs veth-xc "$NETEM_RXE" "$CLIENT_ARGS_RXE" ;;
     *) problem "unknown transport $tr" ;;
   esac
 done
