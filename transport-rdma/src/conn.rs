@@ -1048,7 +1048,7 @@ impl RdmaConnection {
             return Ok(None);
         }
         let n = self.shared.qp.ack_timeout_exponent()?;
-        Ok((n > 0).then(|| std::time::Duration::from_nanos(4096u64 << n)))
+        Ok((n > 0).then(|| std::time::Duration::from_nanos(4096u64 << n.min(31))))
     }
 
     /// The most bytes a SEND of this connection carries inline: copied into the work request

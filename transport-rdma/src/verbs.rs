@@ -1225,15 +1225,10 @@ impl Qp {
     /// The READ depths the QP has now (what the connection negotiated; on iWARP, what the
     /// connection manager set).
     pub(crate) fn read_depth(&self) -> Result<ReadDepth, RdmaError> {
-        // SAFETY: all-zero attribute blocks are valid values (plain integers and structs of
-        // them).
-        let (mut attr, mut init): (ibv_qp_attr, ibv_qp_init_attr) =
-            unsafe { (std::mem::zeroed(), std::mem::zeroed()) };
-        let mask = ibv_qp_attr_mask::IBV_QP_MAX_QP_RD_ATOMIC.0
-            | ibv_qp_attr_mask::IBV_QP_MAX_DEST_RD_ATOMIC.0;
-        // SAFETY: the QP is live; the call only writes the two blocks.
-        let ret = unsafe { ibv_query_qp(self.qp.qp.as_ptr(), &mut attr, mask as i32, &mut init) };
-        errno_result("ibv_query_qp", ret)?;
+        let attr = self.query(
+            ibv_qp_attr_mask::IBV_QP_MAX_QP_RD_ATOMIC.0
+                | ibv_qp_attr_mask::IBV_QP_MAX_DEST_RD_ATOMIC.0,
+        )?;
         Ok(ReadDepth {
             responder: attr.max_dest_rd_atomic,
             initiator: attr.max_rd_atomic,
@@ -1242,15 +1237,19 @@ impl Qp {
 
     /// The QP's local ACK timeout exponent (4.096 µs × 2^n), as the device reports it now.
     pub(crate) fn ack_timeout_exponent(&self) -> Result<u8, RdmaError> {
+        Ok(self.query(ibv_qp_attr_mask::IBV_QP_TIMEOUT.0)?.timeout)
+    }
+
+    /// `ibv_query_qp` for the attributes in `mask` (the others stay zero).
+    fn query(&self, mask: u32) -> Result<ibv_qp_attr, RdmaError> {
         // SAFETY: all-zero attribute blocks are valid values (plain integers and structs of
         // them).
         let (mut attr, mut init): (ibv_qp_attr, ibv_qp_init_attr) =
             unsafe { (std::mem::zeroed(), std::mem::zeroed()) };
-        let mask = ibv_qp_attr_mask::IBV_QP_TIMEOUT.0;
         // SAFETY: the QP is live; the call only writes the two blocks.
         let ret = unsafe { ibv_query_qp(self.qp.qp.as_ptr(), &mut attr, mask as i32, &mut init) };
         errno_result("ibv_query_qp", ret)?;
-        Ok(attr.timeout)
+        Ok(attr)
     }
 
     fn modify(&self, attr: &QueuePairAttribute, op: &'static str) -> Result<(), RdmaError> {
