@@ -884,10 +884,7 @@ impl RdmaConnection {
                 id.modify_qp(&prepared.qp, CmQpState::ReadyToReceive(depth))?;
                 id.modify_qp(
                     &prepared.qp,
-                    CmQpState::ReadyToSend(
-                        depth,
-                        opts.ack_timeout.map(crate::ack_timeout_exponent),
-                    ),
+                    CmQpState::ReadyToSend(depth, opts.ack_timeout),
                 )?;
                 id.establish()?;
             }
@@ -1048,7 +1045,7 @@ impl RdmaConnection {
             return Ok(None);
         }
         let n = self.shared.qp.ack_timeout_exponent()?;
-        Ok((n > 0).then(|| std::time::Duration::from_nanos(4096u64 << n.min(31))))
+        Ok((n > 0).then(|| crate::ack_timeout_of_exponent(n)))
     }
 
     /// The most bytes a SEND of this connection carries inline: copied into the work request
@@ -2605,7 +2602,7 @@ impl PendingConnection {
             id.modify_qp(&prepared.qp, CmQpState::ReadyToReceive(depth))?;
             id.modify_qp(
                 &prepared.qp,
-                CmQpState::ReadyToSend(depth, opts.ack_timeout.map(crate::ack_timeout_exponent)),
+                CmQpState::ReadyToSend(depth, opts.ack_timeout),
             )?;
         }
         id.accept(&prepared.qp, depth)?;

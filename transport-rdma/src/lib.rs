@@ -286,7 +286,13 @@ pub const DEFAULT_MAX_INLINE: u32 = 64;
 /// than rdma_cm's 2^19 × 4.096 µs ≈ 2.1 s for RoCE under Debian's 6.1 kernel: over a lossy
 /// link every lost READ response packet cost a whole timeout on Soft-RoCE, and with rdma_cm's
 /// a 3 MiB call did not finish in 20 s (docs/rdma-history.md, "A lossy RoCE link").
-pub const DEFAULT_ACK_TIMEOUT: Duration = Duration::from_nanos(4096 << 14);
+pub const DEFAULT_ACK_TIMEOUT: Duration = ack_timeout_of_exponent(14);
+
+/// The local ACK timeout a queue pair's exponent stands for: 4.096 µs × 2^n (n ≤ 31).
+pub(crate) const fn ack_timeout_of_exponent(n: u8) -> Duration {
+    let n = if n > 31 { 31 } else { n };
+    Duration::from_nanos(4096u64 << n)
+}
 
 /// The local ACK timeout exponent a queue pair gets for [`RdmaOptions::ack_timeout`]: the
 /// smallest `n` in 1..=31 with 4.096 µs × 2^n at least `timeout` (31 for anything longer; 0
@@ -470,6 +476,10 @@ mod tests {
         assert_eq!(exp(Duration::from_millis(536)), 17);
         assert_eq!(exp(Duration::from_secs(3600)), 30);
         assert_eq!(exp(Duration::from_secs(1 << 20)), 31);
+        // and back: every exponent's timeout gives that exponent
+        for n in 1..=31 {
+            assert_eq!(exp(super::ack_timeout_of_exponent(n)), n);
+        }
     }
 
     #[test]

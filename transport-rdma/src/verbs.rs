@@ -627,7 +627,7 @@ impl CmId {
                     mask |= flag(ibv_qp_attr_mask::IBV_QP_MAX_QP_RD_ATOMIC);
                     let cm = attr.timeout;
                     if let Some(t) = ack_timeout {
-                        attr.timeout = t;
+                        attr.timeout = crate::ack_timeout_exponent(t);
                         mask |= flag(ibv_qp_attr_mask::IBV_QP_TIMEOUT);
                     }
                     tracing::debug!(
@@ -671,9 +671,9 @@ fn open_device(name: &str) -> Result<Arc<DeviceContext>, RdmaError> {
 pub(crate) enum CmQpState {
     Init,
     ReadyToReceive(ReadDepth),
-    /// with the local ACK timeout's exponent if the options set one
-    /// ([`crate::RdmaOptions::ack_timeout`])
-    ReadyToSend(ReadDepth, Option<u8>),
+    /// with the local ACK timeout if the options set one ([`crate::RdmaOptions::ack_timeout`],
+    /// rounded up to the device's 4.096 µs × 2^n)
+    ReadyToSend(ReadDepth, Option<Duration>),
 }
 
 // ------------------------------------------------------------------------------------------------
