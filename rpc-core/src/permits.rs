@@ -57,8 +57,9 @@ pub struct Permit<'a>(&'a Permits);
 
 impl Permit<'_> {
     /// Keeps the permit taken with no guard to return it: its holder returns it with
-    /// [`Permits::release`] (a future that cannot hold a borrow of its own connection).
-    pub(crate) fn forget(self) {
+    /// [`Permits::release`] (a future that cannot hold a borrow of its own connection, or a
+    /// transport whose completion returns it).
+    pub fn forget(self) {
         std::mem::forget(self);
     }
 }
@@ -220,8 +221,10 @@ impl Permits {
         }
     }
 
-    /// Returns one permit, taken before and kept without its guard ([`Permit::forget`]).
-    pub(crate) fn release(&self) {
+    /// Returns one permit, taken before and kept without its guard ([`Permit::forget`]). Each
+    /// such permit is returned once: a return with none taken adds a permit that was never
+    /// there.
+    pub fn release(&self) {
         let before = self.state.fetch_add(1, Ordering::SeqCst);
         if self.waiting.load(Ordering::SeqCst) != 0 {
             self.wake.notify_one();

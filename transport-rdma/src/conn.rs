@@ -3,7 +3,7 @@
 
 use std::collections::HashMap;
 use std::net::SocketAddr;
-use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, OnceLock, Weak};
 use std::time::{Duration, Instant};
 
@@ -21,7 +21,7 @@ use crate::verbs::{
 };
 use crate::{RdmaOptions, ReadDepth, TransportKind};
 use rpc_core::ids::IdIndex;
-use rpc_core::permits::{OwnedPermit, Permits};
+use rpc_core::permits::{OwnedPermit, Permit, Permits};
 use rpc_core::pool::{Pool, SizeClass};
 use rpc_core::rendezvous::{RecvBudget, START_WINDOW};
 
@@ -97,6 +97,10 @@ struct Shared {
     state: Mutex<State>,
     send_pool: Mutex<Vec<Arc<Region>>>,
     send_permits: Arc<Permits>,
+    /// inline SENDs posted and not yet completed (nor given back by a failure, see
+    /// `release_inline_permits`), each holding a send permit taken with no guard: the QP keeps
+    /// no entry for them (`Qp::post_inline_send`)
+    inline_out: AtomicUsize,
     /// one-sided operations (RDMA READ/WRITE) in flight: the send queue has room for
     /// `ONE_SIDED` of them beside the SEND slots
     one_sided_permits: Semaphore,
@@ -543,6 +547,27 @@ impl Shared {
         }
     }
 
+    /// An inline SEND completed (or failed to post): its send permit back, unless a failure of
+    /// the connection gave back the permits of every inline SEND out already
+    /// ([`release_inline_permits`](Self::release_inline_permits)). Each count taken out of
+    /// `inline_out` returns one permit, whoever takes it, so none is returned twice.
+    fn inline_retired(&self) {
+        let out = self
+            .inline_out
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| n.checked_sub(1));
+        if out.is_ok() {
+            self.send_permits.release();
+        }
+    }
+
+    /// Gives back the send permits of every inline SEND out, for a connection that failed: their
+    /// completions may never be polled (as [`Qp::release_send_permits`] does for send slots).
+    fn release_inline_permits(&self) {
+        for _ in 0..self.inline_out.swap(0, Ordering::AcqRel) {
+            self.send_permits.release();
+        }
+    }
+
     fn check_open(&self) -> Result<(), RdmaError> {
         // set after `closed`, under the lock: seen set, the lock then shows why
         if !self.closing.load(Ordering::Acquire) {
@@ -932,6 +957,7 @@ impl RdmaConnection {
             state: Mutex::new(State::default()),
             send_pool: Mutex::new(Vec::with_capacity(send_slots)),
             send_permits: Arc::new(Permits::new(send_slots)),
+            inline_out: AtomicUsize::new(0),
             one_sided_permits: Semaphore::new(ONE_SIDED),
             inflight_bytes: opts.inflight_bytes,
             slot_size: opts.slot_size,
@@ -1015,6 +1041,13 @@ impl RdmaConnection {
     /// How many SENDs can be in flight at once (see [`RdmaConnection::start_send`]).
     pub fn send_slots(&self) -> usize {
         self.send_slots
+    }
+
+    /// How many SENDs are in flight now: posted, and their completions not yet polled (at most
+    /// [`send_slots`](Self::send_slots)).
+    pub fn sends_in_flight(&self) -> usize {
+        self.send_slots
+            .saturating_sub(self.shared.send_permits.available())
     }
 
     /// How many receive slots this side posted (and keeps posted).
@@ -1223,13 +1256,16 @@ impl RdmaConnection {
     /// [`try_recv_bytes`](Self::try_recv_bytes) it makes a loop that never waits (run to
     /// completion, as the connection-layer floor of `examples/verbs-pingpong.rs --lean`).
     pub fn try_send(&self, msg: &[u8]) -> Result<bool, RdmaError> {
-        let Some(permit) = self.try_send_slot() else {
-            return Ok(false);
-        };
         if msg.len() <= self.max_inline() {
             // posted inline straight from `msg`: no slot
+            let Some(permit) = self.try_inline_permit() else {
+                return Ok(false);
+            };
             self.post_inline_now(msg, permit)?;
         } else {
+            let Some(permit) = self.try_send_slot() else {
+                return Ok(false);
+            };
             self.post_slot_now(self.filled_slot(msg)?, permit)?;
         }
         Ok(true)
@@ -1313,17 +1349,28 @@ impl RdmaConnection {
         Ok(())
     }
 
+    /// A send permit, if one is free now, for [`post_inline_now`](Self::post_inline_now)
+    /// (returned if dropped unposted).
+    pub(crate) fn try_inline_permit(&self) -> Option<Permit<'_>> {
+        self.shared.send_permits.try_acquire().ok()
+    }
+
     /// Posts `bytes` (at most [`max_inline`](Self::max_inline)) as an inline SEND now, in the
     /// place `permit` stands for, with no task waiting for it: no send slot, since the post
-    /// copies the bytes; the permit is released when the SEND completes.
+    /// copies the bytes, and nothing kept in the QP's tables; the permit, counted in
+    /// `inline_out` meanwhile, is released when the SEND completes.
     pub(crate) fn post_inline_now(
         &self,
         bytes: &[u8],
-        permit: OwnedPermit,
+        permit: Permit<'_>,
     ) -> Result<(), RdmaError> {
         self.shared.check_open()?;
-        self.shared.qp.post_inline_send(bytes, permit)?;
-        Ok(())
+        self.shared.inline_out.fetch_add(1, Ordering::AcqRel);
+        permit.forget();
+        self.shared.qp.post_inline_send(bytes).inspect_err(|_| {
+            // not posted: no completion will come for it
+            self.shared.inline_retired();
+        })
     }
 
     /// How long the caller of a lone call may poll the CQ itself while it waits for its
@@ -2178,7 +2225,13 @@ fn dispatch(
         } else {
             lock(&shared.state).waiters.remove(wc.wr_id)
         };
-        let mem = shared.qp.retire(wc.wr_id);
+        let mem = if crate::verbs::is_inline_send(wc.wr_id) {
+            // the QP keeps nothing for it: its send permit back
+            shared.inline_retired();
+            None
+        } else {
+            shared.qp.retire(wc.wr_id)
+        };
         let op = match wc.kind {
             WrKind::Recv => "RECV",
             WrKind::Send => "SEND",
@@ -2277,9 +2330,8 @@ fn dispatch(
                 let buf = match mem {
                     Some(Mem::Pool(b)) => Some(b),
                     Some(Mem::Send { region, permit }) => {
-                        // the slot (if not inline) back in the pool before its permit is
-                        // returned
-                        if let (true, Some(region)) = (wc.ok(), region) {
+                        // the slot back in the pool before its permit is returned
+                        if wc.ok() {
                             lock(&shared.send_pool).push(region);
                         }
                         drop(permit);
@@ -2440,6 +2492,7 @@ fn fail_waiters(shared: &Shared, why: &str) {
     // the send slots posted with no task waiting give back their permits; the slots are not
     // reused: they go when the QP lets go of them
     shared.qp.release_send_permits();
+    shared.release_inline_permits();
     for w in waiters {
         let _ = w.send(Done {
             res: Err(RdmaError::Closed(Some(why.to_string()))),

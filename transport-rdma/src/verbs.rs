@@ -17,9 +17,11 @@
 //! Memory soundness rules enforced here (the rest of the crate cannot break them):
 //! * a `Region`'s bytes are reachable from safe code only through `Arc::get_mut`, i.e. when no
 //!   posted work request and no `Exposure` holds a reference to it;
-//! * every posted work request holds an `Arc<Region>` (in `Qp::inflight`) until it is retired
-//!   after its completion was polled, or until the QP is destroyed (after which the device no
-//!   longer touches the memory): memory is never freed or handed out while the device may use it;
+//! * every posted work request that reads or writes local memory holds an `Arc<Region>` (in
+//!   `Qp::inflight`) until it is retired after its completion was polled, or until the QP is
+//!   destroyed (after which the device no longer touches the memory): memory is never freed or
+//!   handed out while the device may use it (an inline SEND reads none after its post, which
+//!   copied its bytes, and holds nothing);
 //!   a receive posted to a shared queue is held the same way by the `Srq` (retired through the
 //!   completion on whichever QP took it; a QP collects its leftover ones when destroyed);
 //! * an `Exposure` (a remotely accessible MR) holds the region too; dropping it deregisters the
@@ -951,7 +953,7 @@ impl WrKind {
     fn of(wr_id: u64) -> WrKind {
         match wr_id >> 56 {
             1 => WrKind::Recv,
-            2 | SEND_SLOT_TAG => WrKind::Send,
+            2 | SEND_SLOT_TAG | INLINE_SEND_TAG => WrKind::Send,
             3 => WrKind::Write,
             4 => WrKind::Read,
             _ => WrKind::Unknown,
@@ -962,11 +964,22 @@ impl WrKind {
 /// The tag of a SEND posted with [`Qp::post_send_slot`] (a [`WrKind::Send`]).
 const SEND_SLOT_TAG: u64 = 5;
 
-/// Whether `wr_id` is a SEND posted with [`Qp::post_send_slot`]: the connection keeps nothing
-/// for it in its own tables (the QP holds its slot and permit), so its completion needs no look
-/// there.
+/// The tag of an inline SEND posted with [`Qp::post_inline_send`] (a [`WrKind::Send`]), which
+/// holds nothing: its `wr_id` is this tag alone, with no in-flight entry behind it.
+const INLINE_SEND_TAG: u64 = 6;
+
+/// Whether `wr_id` is a SEND posted with [`Qp::post_send_slot`] or [`Qp::post_inline_send`]:
+/// the connection keeps nothing for it in its own tables (the QP holds a send slot's region and
+/// permit; an inline SEND holds nothing), so its completion needs no look there.
 pub(crate) fn is_send_slot(wr_id: u64) -> bool {
-    wr_id >> 56 == SEND_SLOT_TAG
+    matches!(wr_id >> 56, SEND_SLOT_TAG | INLINE_SEND_TAG)
+}
+
+/// Whether `wr_id` is an inline SEND posted with [`Qp::post_inline_send`]: nothing to retire
+/// from the QP; its poster counts it until its completion (see `Shared::inline_out` in
+/// conn.rs).
+pub(crate) fn is_inline_send(wr_id: u64) -> bool {
+    wr_id >> 56 == INLINE_SEND_TAG
 }
 
 /// Where a one-sided operation goes in the peer's memory.
@@ -995,10 +1008,9 @@ pub(crate) enum Mem {
     /// a connection's send slot, posted with no task waiting ([`Qp::post_send_slot`]), and the
     /// permit that counts it as in flight: returned when the SEND is retired, or earlier when
     /// the connection fails ([`Qp::release_send_permits`]); the region stays here either way.
-    /// An inline SEND ([`Qp::post_inline_send`]) has no region: its bytes were copied as it
-    /// was posted.
+    /// (An inline SEND, [`Qp::post_inline_send`], keeps no entry at all.)
     Send {
-        region: Option<Arc<Region>>,
+        region: Arc<Region>,
         permit: Option<rpc_core::permits::OwnedPermit>,
     },
 }
@@ -1392,7 +1404,7 @@ impl Qp {
         let entry = InFlight {
             _mr: None,
             mem: Mem::Send {
-                region: Some(region),
+                region,
                 permit: Some(permit),
             },
         };
@@ -1441,15 +1453,12 @@ impl Qp {
     }
 
     /// Posts a signaled SEND of `bytes` inline (copied into the work request by the post
-    /// itself, so they need not be registered and may be reused once this returns), with no
-    /// task waiting for it: the QP keeps `permit` until the SEND is retired ([`Mem::Send`], no
-    /// region). An error if `bytes` is longer than the QP's inline size; on failure the permit
-    /// is dropped.
-    pub(crate) fn post_inline_send(
-        &self,
-        bytes: &[u8],
-        permit: rpc_core::permits::OwnedPermit,
-    ) -> Result<u64, RdmaError> {
+    /// itself, so they need not be registered and may be reused once this returns). It keeps
+    /// no in-flight entry: the device reads no memory of ours for it, so there is nothing to
+    /// hold until it is retired, and its completion ([`is_inline_send`]) has nothing to take
+    /// out. Whoever posts it counts it as in flight until then (the connection: a send
+    /// permit). An error if `bytes` is longer than the QP's inline size.
+    pub(crate) fn post_inline_send(&self, bytes: &[u8]) -> Result<(), RdmaError> {
         if !self.inlines(bytes.len()) {
             return Err(RdmaError::InvalidArgument(format!(
                 "{} bytes do not go inline (at most {})",
@@ -1457,24 +1466,20 @@ impl Qp {
                 self.max_inline
             )));
         }
-        let entry = InFlight {
-            _mr: None,
-            mem: Mem::Send {
-                region: None,
-                permit: Some(permit),
-            },
-        };
         // inline (checked above): the provider copies `bytes` during the call and the device
         // never reads them afterwards, so unregistered memory that lives only across the call
         // is enough; the key is not checked for an inline SEND
-        self.post_kept(
-            SEND_SLOT_TAG as u8,
-            entry,
-            (ibv_wr_opcode::IBV_WR_SEND, "ibv_post_send (inline SEND)"),
+        self.post_send_wr(
+            INLINE_SEND_TAG << 56,
+            ibv_wr_opcode::IBV_WR_SEND,
             Some((0, bytes.as_ptr() as u64, bytes.len())),
             None,
             true,
         )
+        .map_err(|e| RdmaError::Verbs {
+            op: "ibv_post_send (inline SEND)",
+            source: Box::new(e),
+        })
     }
 
     /// Returns the permits of the SENDs posted with [`post_send_slot`](Self::post_send_slot)

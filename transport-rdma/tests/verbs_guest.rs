@@ -667,7 +667,26 @@ async fn small_sends_go_inline_byte_exact() {
             window.add_permits(1);
         }
         let client = sender.await.expect("sender");
+        // every SEND's permit came back with its completion (an inline SEND keeps no entry in
+        // the QP: its poster counts it), and so do those of SENDs cut short by a close
+        // (flushed, or completed before it)
+        while client.sends_in_flight() > 0 {
+            client.poll_completions();
+            tokio::task::yield_now().await;
+        }
+        assert!(
+            client.try_send(&msg(1)).expect("try_send"),
+            "a slot is free"
+        );
+        assert!(
+            client.try_send(&msg(3)).expect("try_send"),
+            "a slot is free"
+        );
         client.close();
+        while client.sends_in_flight() > 0 {
+            client.poll_completions();
+            tokio::task::yield_now().await;
+        }
         // with inline SENDs off, the same from send slots
         let addr = SocketAddr::new(addr.ip(), addr.port() + 1);
         let off = RdmaOptions {
