@@ -1443,7 +1443,7 @@ impl RdmaConnection {
 
     /// Whether no SEND is in flight (every send slot is free).
     pub(crate) fn sends_idle(&self) -> bool {
-        self.shared.send_permits.available() >= self.send_slots
+        self.sends_in_flight() == 0
     }
 
     /// Waits until no SEND is in flight (every slot is back), e.g. before closing.
@@ -2220,7 +2220,7 @@ fn dispatch(
         }
         // what this connection keeps for a work request leaves its tables before the QP retires
         // the request's id, which frees the id's slot for the next post
-        let waiter = if wc.kind == WrKind::Recv || crate::verbs::is_send_slot(wc.wr_id) {
+        let waiter = if wc.kind == WrKind::Recv || crate::verbs::keeps_no_waiter(wc.wr_id) {
             None
         } else {
             lock(&shared.state).waiters.remove(wc.wr_id)

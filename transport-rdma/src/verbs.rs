@@ -971,7 +971,7 @@ const INLINE_SEND_TAG: u64 = 6;
 /// Whether `wr_id` is a SEND posted with [`Qp::post_send_slot`] or [`Qp::post_inline_send`]:
 /// the connection keeps nothing for it in its own tables (the QP holds a send slot's region and
 /// permit; an inline SEND holds nothing), so its completion needs no look there.
-pub(crate) fn is_send_slot(wr_id: u64) -> bool {
+pub(crate) fn keeps_no_waiter(wr_id: u64) -> bool {
     matches!(wr_id >> 56, SEND_SLOT_TAG | INLINE_SEND_TAG)
 }
 
