@@ -97,10 +97,10 @@ struct Shared {
     state: Mutex<State>,
     send_pool: Mutex<Vec<Arc<Region>>>,
     send_permits: Arc<Permits>,
-    /// inline SENDs posted and not yet completed (nor given back by a failure, see
-    /// `release_inline_permits`), each holding a send permit taken with no guard: the QP keeps
-    /// no entry for them (`Qp::post_inline_send`)
-    inline_out: AtomicUsize,
+    /// SENDs posted with no task waiting (inline, or from a send slot) and not yet completed
+    /// (nor given back by a failure, see `release_sends_out`), each holding a send permit taken
+    /// with no guard (the QP keeps a send slot's region, and nothing for an inline SEND)
+    sends_out: AtomicUsize,
     /// one-sided operations (RDMA READ/WRITE) in flight: the send queue has room for
     /// `ONE_SIDED` of them beside the SEND slots
     one_sided_permits: Semaphore,
@@ -547,23 +547,24 @@ impl Shared {
         }
     }
 
-    /// An inline SEND completed (or failed to post): its send permit back, unless a failure of
-    /// the connection gave back the permits of every inline SEND out already
-    /// ([`release_inline_permits`](Self::release_inline_permits)). Each count taken out of
-    /// `inline_out` returns one permit, whoever takes it, so none is returned twice.
-    fn inline_retired(&self) {
+    /// A SEND posted with no task waiting completed (or failed to post): its send permit back,
+    /// unless a failure of the connection gave back the permits of every such SEND out already
+    /// ([`release_sends_out`](Self::release_sends_out)). Each count taken out of `sends_out`
+    /// returns one permit, whoever takes it, so none is returned twice.
+    fn send_retired(&self) {
         let out = self
-            .inline_out
+            .sends_out
             .fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| n.checked_sub(1));
         if out.is_ok() {
             self.send_permits.release();
         }
     }
 
-    /// Gives back the send permits of every inline SEND out, for a connection that failed: their
-    /// completions may never be polled (as [`Qp::release_send_permits`] does for send slots).
-    fn release_inline_permits(&self) {
-        for _ in 0..self.inline_out.swap(0, Ordering::AcqRel) {
+    /// Gives back the send permits of every SEND out with no task waiting, for a connection that
+    /// failed: their completions may never be polled (a send slot's region stays in the QP until
+    /// it lets go of it).
+    fn release_sends_out(&self) {
+        for _ in 0..self.sends_out.swap(0, Ordering::AcqRel) {
             self.send_permits.release();
         }
     }
@@ -957,7 +958,7 @@ impl RdmaConnection {
             state: Mutex::new(State::default()),
             send_pool: Mutex::new(Vec::with_capacity(send_slots)),
             send_permits: Arc::new(Permits::new(send_slots)),
-            inline_out: AtomicUsize::new(0),
+            sends_out: AtomicUsize::new(0),
             one_sided_permits: Semaphore::new(ONE_SIDED),
             inflight_bytes: opts.inflight_bytes,
             slot_size: opts.slot_size,
@@ -1256,16 +1257,13 @@ impl RdmaConnection {
     /// [`try_recv_bytes`](Self::try_recv_bytes) it makes a loop that never waits (run to
     /// completion, as the connection-layer floor of `examples/verbs-pingpong.rs --lean`).
     pub fn try_send(&self, msg: &[u8]) -> Result<bool, RdmaError> {
+        let Some(permit) = self.try_send_permit() else {
+            return Ok(false);
+        };
         if msg.len() <= self.max_inline() {
             // posted inline straight from `msg`: no slot
-            let Some(permit) = self.try_inline_permit() else {
-                return Ok(false);
-            };
             self.post_inline_now(msg, permit)?;
         } else {
-            let Some(permit) = self.try_send_slot() else {
-                return Ok(false);
-            };
             self.post_slot_now(self.filled_slot(msg)?, permit)?;
         }
         Ok(true)
@@ -1318,7 +1316,7 @@ impl RdmaConnection {
         })
     }
 
-    /// Waits for a free SEND slot, for [`post_slot_now`](Self::post_slot_now).
+    /// Waits for a free SEND slot, for [`post_slot`](Self::post_slot).
     pub(crate) async fn send_permit(&self) -> Result<OwnedPermit, RdmaError> {
         self.shared
             .send_permits
@@ -1327,9 +1325,23 @@ impl RdmaConnection {
             .map_err(|_| RdmaError::Closed(None))
     }
 
-    /// A SEND slot, if one is free now, for [`post_slot_now`](Self::post_slot_now).
-    pub(crate) fn try_send_slot(&self) -> Option<OwnedPermit> {
-        self.shared.send_permits.try_acquire_owned().ok()
+    /// A send permit, if one is free now, for [`post_slot_now`](Self::post_slot_now) or
+    /// [`post_inline_now`](Self::post_inline_now) (returned if dropped unposted).
+    pub(crate) fn try_send_permit(&self) -> Option<Permit<'_>> {
+        self.shared.send_permits.try_acquire().ok()
+    }
+
+    /// Counts a SEND about to be posted with no task waiting, in the place `permit` stands for
+    /// (see `Shared::sends_out`): its completion, or a failure of the connection, returns the
+    /// permit; so does `post` here if it fails (nothing was posted then).
+    fn post_counted(
+        &self,
+        permit: Permit<'_>,
+        post: impl FnOnce() -> Result<(), RdmaError>,
+    ) -> Result<(), RdmaError> {
+        self.shared.sends_out.fetch_add(1, Ordering::AcqRel);
+        permit.forget();
+        post().inspect_err(|_| self.shared.send_retired())
     }
 
     /// Posts `slot` (written in place) as a SEND now, in the place `permit` stands for, with
@@ -1338,39 +1350,29 @@ impl RdmaConnection {
     pub(crate) fn post_slot_now(
         &self,
         slot: SendSlot<'_>,
-        permit: OwnedPermit,
+        permit: Permit<'_>,
     ) -> Result<(), RdmaError> {
         let len = slot.len;
         let slot = slot.into_region();
         self.shared.check_open()?;
-        // the QP keeps the slot and the permit until the SEND is retired: nothing of it in this
-        // connection's tables, so neither the post nor the completion takes the state lock
-        self.shared.qp.post_send_slot(slot, len, permit)?;
-        Ok(())
-    }
-
-    /// A send permit, if one is free now, for [`post_inline_now`](Self::post_inline_now)
-    /// (returned if dropped unposted).
-    pub(crate) fn try_inline_permit(&self) -> Option<Permit<'_>> {
-        self.shared.send_permits.try_acquire().ok()
+        // the QP keeps the slot until the SEND is retired: nothing of it in this connection's
+        // tables, so neither the post nor the completion takes the state lock
+        self.post_counted(permit, || {
+            self.shared.qp.post_send_slot(slot, len).map(drop)
+        })
     }
 
     /// Posts `bytes` (at most [`max_inline`](Self::max_inline)) as an inline SEND now, in the
     /// place `permit` stands for, with no task waiting for it: no send slot, since the post
-    /// copies the bytes, and nothing kept in the QP's tables; the permit, counted in
-    /// `inline_out` meanwhile, is released when the SEND completes.
+    /// copies the bytes, and nothing kept in the QP's tables; the permit is released when the
+    /// SEND completes.
     pub(crate) fn post_inline_now(
         &self,
         bytes: &[u8],
         permit: Permit<'_>,
     ) -> Result<(), RdmaError> {
         self.shared.check_open()?;
-        self.shared.inline_out.fetch_add(1, Ordering::AcqRel);
-        permit.forget();
-        self.shared.qp.post_inline_send(bytes).inspect_err(|_| {
-            // not posted: no completion will come for it
-            self.shared.inline_retired();
-        })
+        self.post_counted(permit, || self.shared.qp.post_inline_send(bytes))
     }
 
     /// How long the caller of a lone call may poll the CQ itself while it waits for its
@@ -2227,7 +2229,7 @@ fn dispatch(
         };
         let mem = if crate::verbs::is_inline_send(wc.wr_id) {
             // the QP keeps nothing for it: its send permit back
-            shared.inline_retired();
+            shared.send_retired();
             None
         } else {
             shared.qp.retire(wc.wr_id)
@@ -2329,12 +2331,12 @@ fn dispatch(
                 // buffer goes to the waiter (or back to the pool if the waiter is gone)
                 let buf = match mem {
                     Some(Mem::Pool(b)) => Some(b),
-                    Some(Mem::Send { region, permit }) => {
+                    Some(Mem::Send { region }) => {
                         // the slot back in the pool before its permit is returned
                         if wc.ok() {
                             lock(&shared.send_pool).push(region);
                         }
-                        drop(permit);
+                        shared.send_retired();
                         None
                     }
                     other => {
@@ -2489,10 +2491,9 @@ fn fail_all(shared: &Shared, why: &str) {
 /// until a completion retires them (then back to the pool) or the QP is destroyed.
 fn fail_waiters(shared: &Shared, why: &str) {
     let waiters = lock(&shared.state).waiters.drain();
-    // the send slots posted with no task waiting give back their permits; the slots are not
+    // the SENDs posted with no task waiting give back their permits; their send slots are not
     // reused: they go when the QP lets go of them
-    shared.qp.release_send_permits();
-    shared.release_inline_permits();
+    shared.release_sends_out();
     for w in waiters {
         let _ = w.send(Done {
             res: Err(RdmaError::Closed(Some(why.to_string()))),

@@ -1193,12 +1193,12 @@ impl Engine {
     /// (nothing was taken then). The packet is encoded in the send slot itself: no buffer and
     /// no copy in between.
     fn post_direct(&self, msgs: &[Message], frames: u64) -> Result<bool, RdmaError> {
+        let Some(permit) = self.conn.try_send_permit() else {
+            return Ok(false);
+        };
         let len = usize::try_from(Packet::packet_len(msgs, frames)).unwrap_or(usize::MAX);
         if len <= self.conn.max_inline().min(INLINE_PACKET) {
             // an inline SEND: encoded on the stack, copied by the post, no send slot
-            let Some(permit) = self.conn.try_inline_permit() else {
-                return Ok(false);
-            };
             let mut packet = [0u8; INLINE_PACKET];
             let packet = &mut packet[..len];
             {
@@ -1213,9 +1213,6 @@ impl Engine {
             self.conn.post_inline_now(packet, permit)?;
             return Ok(true);
         }
-        let Some(permit) = self.conn.try_send_slot() else {
-            return Ok(false);
-        };
         let mut slot = self.conn.send_slot(len)?;
         {
             let mut p = lock(&self.proto);

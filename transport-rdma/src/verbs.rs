@@ -976,7 +976,7 @@ pub(crate) fn keeps_no_waiter(wr_id: u64) -> bool {
 }
 
 /// Whether `wr_id` is an inline SEND posted with [`Qp::post_inline_send`]: nothing to retire
-/// from the QP; its poster counts it until its completion (see `Shared::inline_out` in
+/// from the QP; its poster counts it until its completion (see `Shared::sends_out` in
 /// conn.rs).
 pub(crate) fn is_inline_send(wr_id: u64) -> bool {
     wr_id >> 56 == INLINE_SEND_TAG
@@ -1005,14 +1005,10 @@ pub(crate) enum Mem {
     },
     /// none: an RDMA WRITE of no bytes ([`Qp::post_empty_write`])
     Empty,
-    /// a connection's send slot, posted with no task waiting ([`Qp::post_send_slot`]), and the
-    /// permit that counts it as in flight: returned when the SEND is retired, or earlier when
-    /// the connection fails ([`Qp::release_send_permits`]); the region stays here either way.
-    /// (An inline SEND, [`Qp::post_inline_send`], keeps no entry at all.)
-    Send {
-        region: Arc<Region>,
-        permit: Option<rpc_core::permits::OwnedPermit>,
-    },
+    /// a connection's send slot, posted with no task waiting ([`Qp::post_send_slot`]); its
+    /// poster counts it as in flight until it is retired, as it does an inline SEND
+    /// ([`Qp::post_inline_send`], which keeps no entry at all)
+    Send { region: Arc<Region> },
 }
 
 struct InFlight {
@@ -1391,22 +1387,14 @@ impl Qp {
     }
 
     /// Posts a signaled SEND of `region[..len]` with no task waiting for it: the QP keeps the
-    /// region and `permit` until the SEND is retired ([`Mem::Send`]). On failure both are
-    /// dropped.
-    pub(crate) fn post_send_slot(
-        &self,
-        region: Arc<Region>,
-        len: usize,
-        permit: rpc_core::permits::OwnedPermit,
-    ) -> Result<u64, RdmaError> {
+    /// region until the SEND is retired ([`Mem::Send`]); whoever posts it counts it as in
+    /// flight until then. On failure the region is dropped.
+    pub(crate) fn post_send_slot(&self, region: Arc<Region>, len: usize) -> Result<u64, RdmaError> {
         self.check(&region, 0, len)?;
         let (lkey, addr) = (region.mr.lkey(), region.addr(0));
         let entry = InFlight {
             _mr: None,
-            mem: Mem::Send {
-                region,
-                permit: Some(permit),
-            },
+            mem: Mem::Send { region },
         };
         // `..len` lies inside the region (checked above), which the entry keeps allocated and
         // registered until this work request is retired or the QP is destroyed
@@ -1480,18 +1468,6 @@ impl Qp {
             op: "ibv_post_send (inline SEND)",
             source: Box::new(e),
         })
-    }
-
-    /// Returns the permits of the SENDs posted with [`post_send_slot`](Self::post_send_slot)
-    /// and not yet retired, for a connection that failed: their completions may never be
-    /// polled. Their regions stay until the QP lets go of them.
-    pub(crate) fn release_send_permits(&self) {
-        let mut inflight = lock(&self.inflight);
-        for f in inflight.values_mut() {
-            if let Mem::Send { permit, .. } = &mut f.mem {
-                drop(permit.take());
-            }
-        }
     }
 
     /// Posts a signaled RDMA WRITE of `region[off..off+len]` to `remote`.
