@@ -252,28 +252,59 @@ thread_local! {
 
 /// Runs `encode` with payload collection on: every `Payload` it serialises is appended to
 /// `attachments` and serialised as its index.
+///
+/// What the thread-local held before is put back however `encode` ends, a panic included (a
+/// user's `Serialize` may panic, and the server answers such a call and goes on): otherwise
+/// the thread's later encoders would append to the panicked one's list.
 pub(crate) fn collect_attachments<R>(
     attachments: &mut Attachments,
     encode: impl FnOnce() -> R,
 ) -> R {
+    /// Puts the thread's previous list back when dropped, and the collected one in `out`.
+    struct Restore<'a> {
+        cell: &'a RefCell<Option<Attachments>>,
+        prev: Option<Attachments>,
+        out: &'a mut Attachments,
+    }
+    impl Drop for Restore<'_> {
+        fn drop(&mut self) {
+            *self.out = self.cell.replace(self.prev.take()).unwrap_or_default();
+        }
+    }
     // one look-up of the thread-local for both swaps (the encoder's own look-ups, from
     // `Payload::serialize`, nest inside it: no borrow is held across `encode`)
     OUTGOING.with(|o| {
         let prev = o.replace(Some(std::mem::take(attachments)));
-        let r = encode();
-        *attachments = o.replace(prev).unwrap_or_default();
-        r
+        let _restore = Restore {
+            cell: o,
+            prev,
+            out: attachments,
+        };
+        encode()
     })
 }
 
 /// Runs `decode` with `attachments` available to resolve payload indices.
+///
+/// As [`collect_attachments`]: the thread-local is put back however `decode` ends, so a
+/// panicking `Deserialize` leaves no request's attachments behind (their buffers go back when
+/// the unwinding drops them).
 pub(crate) fn with_attachments<R>(attachments: Attachments, decode: impl FnOnce() -> R) -> R {
+    /// Puts the thread's previous attachments back when dropped.
+    struct Restore<'a> {
+        cell: &'a RefCell<Option<Attachments>>,
+        prev: Option<Attachments>,
+    }
+    impl Drop for Restore<'_> {
+        fn drop(&mut self) {
+            self.cell.replace(self.prev.take());
+        }
+    }
     // (as `collect_attachments`: one look-up, no borrow held across `decode`)
     INCOMING.with(|i| {
         let prev = i.replace(Some(attachments));
-        let r = decode();
-        i.replace(prev);
-        r
+        let _restore = Restore { cell: i, prev };
+        decode()
     })
 }
 
@@ -400,5 +431,71 @@ mod tests {
         assert_eq!(&*q, &[9, 9]);
         drop(q);
         assert_eq!(drops.load(Ordering::SeqCst), 1);
+    }
+
+    /// A payload whose owner counts its drop.
+    fn counted(drops: &std::sync::Arc<std::sync::atomic::AtomicUsize>) -> Payload {
+        struct Owner(Vec<u8>, std::sync::Arc<std::sync::atomic::AtomicUsize>);
+        impl AsRef<[u8]> for Owner {
+            fn as_ref(&self) -> &[u8] {
+                &self.0
+            }
+        }
+        impl Drop for Owner {
+            fn drop(&mut self) {
+                self.1.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+            }
+        }
+        Payload::from_owner(Owner(vec![5; 8], drops.clone()))
+    }
+
+    #[test]
+    fn a_panicking_decoder_leaves_no_attachments_behind() {
+        use std::sync::atomic::{AtomicUsize, Ordering};
+        let drops = std::sync::Arc::new(AtomicUsize::new(0));
+        let mut atts = Attachments::new();
+        atts.push(counted(&drops));
+        let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            with_attachments(atts, || panic!("a user's Deserialize panics"))
+        }));
+        assert!(r.is_err());
+        assert!(
+            INCOMING.with(|i| i.borrow().is_none()),
+            "the thread-local is put back"
+        );
+        assert_eq!(
+            drops.load(Ordering::SeqCst),
+            1,
+            "the request's payload went back"
+        );
+        // a payload decoded outside a frame is read as bytes, not as an index
+        use crate::codec::{Bincode, Codec};
+        let mut encoded = Vec::new();
+        Bincode::encode(&Payload::from(vec![1u8, 2]), &mut encoded).unwrap();
+        let back: Payload = Bincode::decode(&encoded).unwrap();
+        assert_eq!(&*back, &[1, 2]);
+    }
+
+    #[test]
+    fn a_panicking_encoder_leaves_no_collection_on() {
+        use std::sync::atomic::{AtomicUsize, Ordering};
+        let drops = std::sync::Arc::new(AtomicUsize::new(0));
+        let mut atts = Attachments::new();
+        let p = counted(&drops);
+        let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            collect_attachments(&mut atts, || {
+                use crate::codec::{Bincode, Codec};
+                let _ = Bincode::encode(&p, &mut Vec::new());
+                panic!("a user's Serialize panics")
+            })
+        }));
+        assert!(r.is_err());
+        assert!(
+            OUTGOING.with(|o| o.borrow().is_none()),
+            "collection is off again"
+        );
+        assert_eq!(atts.len(), 1, "what was collected is handed back");
+        drop((atts, p));
+        assert_eq!(drops.load(Ordering::SeqCst), 1, "nothing kept the payload");
     }
 }
