@@ -705,9 +705,10 @@ fn poll_call<D: DecodeBody<R>, R>(
     let mut sink_held = false;
     if this.unsent.is_some() {
         if !*this.credit && this.credit_wait.is_none() {
-            // the first poll: a request that could not be encoded, or is too large, fails here
-            let size = match this.unsent.as_ref() {
-                Some(Ok(msg)) => msg.payload_len(),
+            // the first poll: a request that could not be encoded, is too large or carries
+            // too many payloads fails here
+            let (size, count) = match this.unsent.as_ref() {
+                Some(Ok(msg)) => (msg.payload_len(), msg.attachments.len()),
                 _ => {
                     let Some(Err(e)) = this.unsent.take() else {
                         unreachable!("matched above")
@@ -719,6 +720,11 @@ fn poll_call<D: DecodeBody<R>, R>(
             if size > limit {
                 *this.unsent = None;
                 return Poll::Ready(Err(RpcError::TooLarge { size, limit }));
+            }
+            let most = this.inner.config.max_attachments;
+            if count > usize::from(most) {
+                *this.unsent = None;
+                return Poll::Ready(Err(RpcError::TooManyAttachments { count, limit: most }));
             }
             // one of the connection's credits, held until the answer came
             match state.credits.try_acquire() {

@@ -33,6 +33,15 @@ pub enum RpcError {
         /// The limit in force.
         limit: u64,
     },
+    /// A message carries more payloads than the configured limit
+    /// ([`Config::max_attachments`](crate::Config::max_attachments)); nothing was sent.
+    #[error("message with {count} payloads exceeds the limit of {limit} payloads")]
+    TooManyAttachments {
+        /// Payloads in the refused message.
+        count: usize,
+        /// The limit in force.
+        limit: u16,
+    },
     /// The peer broke the protocol.
     #[error("protocol violation: {0}")]
     Protocol(String),

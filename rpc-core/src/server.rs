@@ -636,7 +636,12 @@ where
     ) -> Option<Message> {
         let request = Request::new(msg.body, msg.attachments);
         let work = (self.make)(self.service.clone(), method, request, self.memory.clone());
-        let call = Call { id, name, deadline };
+        let call = Call {
+            id,
+            name,
+            deadline,
+            max_attachments: self.ctx.config.max_attachments,
+        };
         let answer = first_poll(
             &mut self.inline,
             work,
@@ -710,11 +715,17 @@ impl Handlers {
     where
         F: Future<Output = Result<Reply, ServerError>> + Send + 'static,
     {
-        let Call { id, name, deadline } = call;
+        let Call {
+            id,
+            name,
+            deadline,
+            max_attachments,
+        } = call;
         let task = run_call(
             work,
             name,
             deadline,
+            max_attachments,
             id,
             self.calls.clone(),
             self.outbox.clone(),
@@ -730,11 +741,13 @@ impl Handlers {
     }
 }
 
-/// A request being run: its id, its method's name and its caller's deadline.
+/// A request being run: its id, its method's name and its caller's deadline, and the most
+/// payloads its answer may carry (see [`reply_message`]).
 struct Call {
     id: u64,
     name: &'static str,
     deadline: Option<Instant>,
+    max_attachments: u16,
 }
 
 /// Runs a handler's first poll in the reusable box `inline`, holding a handler slot already
@@ -772,7 +785,12 @@ where
         }
     };
     slots.give();
-    Some(reply_message(call.id, call.name, outcome))
+    Some(reply_message(
+        call.id,
+        call.name,
+        outcome,
+        call.max_attachments,
+    ))
 }
 
 /// A connection's run-to-completion path, on transports that receive in a task of their own
@@ -877,7 +895,12 @@ where
         let deadline = deadline_of(header);
         let _entered = self.span.enter();
         let work = (self.make)(self.service.clone(), method, request, self.memory.clone());
-        let call = Call { id, name, deadline };
+        let call = Call {
+            id,
+            name,
+            deadline,
+            max_attachments: self.ctx.config.max_attachments,
+        };
         let Some(answer) = first_poll(
             &mut gate.inline,
             work,
@@ -1217,9 +1240,20 @@ fn error_message(id: u64, kind: ServerErrorKind, message: &str) -> Message {
     }
 }
 
-/// The response frame for a handler's outcome.
-fn reply_message(id: u64, name: &'static str, outcome: Outcome) -> Message {
+/// The response frame for a handler's outcome. A result with more payloads than
+/// `max_attachments` (the most a peer with this server's configuration reads in one frame, and
+/// never more than the wire's count can say) is answered with an `Internal` error instead:
+/// the caller learns why, and its connection's other calls go on.
+fn reply_message(id: u64, name: &'static str, outcome: Outcome, max_attachments: u16) -> Message {
     match outcome {
+        Ok(Ok(reply)) if reply.attachments.len() > usize::from(max_attachments) => {
+            let text = format!(
+                "the result of {name} has {} payloads, more than the limit of {max_attachments}",
+                reply.attachments.len()
+            );
+            tracing::error!(method = name, error = %text, "result not sent");
+            error_message(id, ServerErrorKind::Internal, &text)
+        }
         Ok(Ok(reply)) => Message {
             header: Header {
                 kind: Kind::Response,
@@ -1259,6 +1293,7 @@ async fn run_call<F: Future<Output = Result<Reply, ServerError>>>(
     work: Inline<F>,
     name: &'static str,
     deadline: Option<Instant>,
+    max_attachments: u16,
     id: u64,
     calls: Calls,
     outbox: Outbox,
@@ -1290,7 +1325,7 @@ async fn run_call<F: Future<Output = Result<Reply, ServerError>>>(
     };
     // Still in the table means nobody cancelled the call: answer it.
     if calls.lock().remove(&id).is_some() {
-        let _ = outbox.send(reply_message(id, name, outcome));
+        let _ = outbox.send(reply_message(id, name, outcome, max_attachments));
     }
 }
 
