@@ -323,3 +323,41 @@ async fn handshake_answers_an_early_ping() {
     );
     assert!(!client.is_closed());
 }
+
+/// A call that waits for a handler slot for longer than its client's keep-alive timeout is
+/// served once a slot frees: the server does not read that connection while the call waits
+/// (back-pressure), so it pings the client meanwhile, and the client does not take the busy
+/// server for a dead one.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_call_waiting_for_a_handler_slot_outlives_the_keepalive_timeout() {
+    let mut server = Config::default();
+    server.max_concurrent_handlers = 1;
+    server.keepalive_interval = Duration::from_millis(50);
+    server.keepalive_timeout = Duration::from_millis(900);
+    let srv = suite::start(&ep(), server).await;
+    let mut client = Config::default();
+    client.keepalive_interval = Duration::from_millis(50);
+    client.keepalive_timeout = Duration::from_millis(300);
+    let holder = suite::connect_with(&srv.endpoint, client.clone()).await;
+    let waiter = suite::connect_with(&srv.endpoint, client).await;
+    let held = tokio::spawn(async move { holder.block(1).await });
+    srv.probes.started(1).await;
+    let waiting = tokio::spawn(async move { waiter.add(2, 3).await });
+    // A raw peer that never answers the server's pings is dropped after the server's
+    // keep-alive timeout, three times the waiting client's: by then the waiting client, had
+    // it heard nothing since its call, would have closed its connection.
+    let mut silent = raw(&srv.endpoint).await;
+    let pings = decode_all(&read_to_close(&mut silent).await);
+    assert!(
+        pings.len() >= 2,
+        "the server pinged the silent peer: {pings:?}"
+    );
+    srv.probes.gate.add_permits(1);
+    assert_eq!(held.await.unwrap().unwrap(), 1);
+    let added = tokio::time::timeout(EVENTUALLY, waiting)
+        .await
+        .expect("the waiting call is answered")
+        .unwrap();
+    assert_eq!(added.unwrap(), 5);
+    srv.shutdown.shutdown();
+}

@@ -656,10 +656,19 @@ where
     /// Waits for a handler slot and takes it. While waiting, answers of this connection's
     /// finished handlers are still written: holding them back until a slot frees would add
     /// up to a whole queue's wait to calls that are already done.
+    ///
+    /// The connection is not read meanwhile (that is the back-pressure), so the client's
+    /// keep-alive pings go unanswered; the server pings it instead, once per keep-alive
+    /// interval, so that a client whose calls wait longer than its keep-alive timeout does not
+    /// take a busy server for a dead one and close a connection that will be served. (The
+    /// server does not judge the client's silence while it is not reading it.)
     async fn wait_for_slot(&mut self) -> io::Result<()> {
         let slots = self.ctx.handler_slots.clone();
         let acquire = slots.take();
         tokio::pin!(acquire);
+        let period = self.ctx.config.keepalive_interval;
+        let mut ping = tokio::time::interval_at(tokio::time::Instant::now() + period, period);
+        ping.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         loop {
             tokio::select! {
                 biased;
@@ -669,6 +678,10 @@ where
                     while let Ok(answer) = self.answers.try_recv() {
                         self.send(answer).await?;
                     }
+                    self.flush().await?;
+                }
+                _ = ping.tick() => {
+                    self.send(Message::control(Kind::Ping, 0)).await?;
                     self.flush().await?;
                 }
             }
