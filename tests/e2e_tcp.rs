@@ -361,3 +361,29 @@ async fn a_call_waiting_for_a_handler_slot_outlives_the_keepalive_timeout() {
     assert_eq!(added.unwrap(), 5);
     srv.shutdown.shutdown();
 }
+
+/// On a server with a token, a greeting that claims more than a greeting's size
+/// (`GREETING_MAX`) is refused as soon as its header is in: the server neither waits for nor
+/// reserves the bytes of a peer it has not authenticated. (The connection time limit is set
+/// far beyond the test's bound, so a server that waited would fail it.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_oversized_greeting_is_refused_at_its_header() {
+    use rdma_rpc::core::wire::GREETING_MAX;
+    let mut config = Config::default();
+    config.auth_token = Some(rdma_rpc::Secret::new("s3cret"));
+    config.connect_timeout = 4 * EVENTUALLY;
+    let srv = suite::start(&ep(), config.clone()).await;
+    let good = suite::connect_with(&srv.endpoint, config).await;
+    let mut bad = raw(&srv.endpoint).await;
+    let mut head = frame(Kind::Hello, 0, 0, &[]);
+    head[24..32].copy_from_slice(&(GREETING_MAX + 1).to_le_bytes());
+    bad.write_all(&head).await.unwrap();
+    let msgs = decode_all(&read_to_close(&mut bad).await);
+    assert_eq!(msgs.len(), 1, "one refusal, then close: {msgs:?}");
+    assert_eq!(
+        ServerErrorKind::from_code(msgs[0].header.aux),
+        ServerErrorKind::Unauthenticated
+    );
+    assert_eq!(good.add(4, 4).await.unwrap(), 8);
+    srv.shutdown.shutdown();
+}

@@ -536,12 +536,35 @@ pub fn tiny_body(body: &[u8]) -> Option<Bytes> {
 pub struct FrameCodec {
     limits: Limits,
     head: Option<WireHeader>,
+    /// the most the next frame may hold, while it is the connection's first (its greeting)
+    first: Option<u64>,
 }
+
+/// The most bytes after its header that a connection's first frame may hold when a transport
+/// reads with [`FrameCodec::with_greeting_limit`]: that frame is a greeting (a client's carries
+/// its token), or a server's refusal or early ping, so a peer not yet authenticated cannot
+/// make the reader wait for (and reserve) up to `max_message_size` before its token is
+/// checked.
+pub const GREETING_MAX: u64 = 64 * 1024;
 
 impl FrameCodec {
     /// A codec enforcing `limits`.
     pub fn new(limits: Limits) -> FrameCodec {
-        FrameCodec { limits, head: None }
+        FrameCodec {
+            limits,
+            head: None,
+            first: None,
+        }
+    }
+
+    /// As [`new`](Self::new), for a connection's reader: its first frame, the greeting, may
+    /// hold at most [`GREETING_MAX`] bytes (or `limits`' maximum, if lower); one that claims
+    /// more is refused as [`FrameError::TooLarge`] before anything is reserved for it.
+    pub fn with_greeting_limit(limits: Limits) -> FrameCodec {
+        FrameCodec {
+            first: Some(GREETING_MAX),
+            ..FrameCodec::new(limits)
+        }
     }
 }
 
@@ -558,7 +581,16 @@ impl Decoder for FrameCodec {
                     return Ok(None);
                 }
                 let raw: &[u8; HEADER_LEN] = src[..HEADER_LEN].try_into().expect("length checked");
-                let h = WireHeader::parse(raw, &self.limits)?;
+                let h = match self.first.take() {
+                    None => WireHeader::parse(raw, &self.limits)?,
+                    Some(most) => {
+                        let limits = Limits {
+                            max_message_size: self.limits.max_message_size.min(most),
+                            ..self.limits
+                        };
+                        WireHeader::parse(raw, &limits)?
+                    }
+                };
                 src.advance(HEADER_LEN);
                 self.head = Some(h);
                 h

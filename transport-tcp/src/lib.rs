@@ -164,7 +164,15 @@ impl Transport for TcpTransport {
             #[cfg(feature = "tls")]
             Conn::Accepting(..) => (ReadHalf::Unestablished, WriteHalf::Unestablished),
         };
-        let codec = FrameCodec::new(self.config.limits());
+        // With a token, the first frame either way is a greeting (or a refusal), held to a
+        // greeting's size: a peer not yet authenticated cannot make a server wait for, and
+        // reserve, up to `max_message_size`. (Without one, a client that skips the greeting,
+        // `Client::new`, may send a large request first.)
+        let codec = if self.config.auth_token.is_some() {
+            FrameCodec::with_greeting_limit(self.config.limits())
+        } else {
+            FrameCodec::new(self.config.limits())
+        };
         (
             TcpReader(FramedRead::with_capacity(r, codec, READ_BUFFER)),
             TcpWriter {
