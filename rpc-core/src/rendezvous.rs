@@ -63,6 +63,7 @@ use std::collections::HashMap;
 
 use bytes::{Buf, BufMut, Bytes, BytesMut};
 
+use crate::payload::Payload;
 use crate::wire::{
     Attachments, FrameError, FrameRef, Header, Kind, Limits, Message, WireHeader, HEADER_LEN,
 };
@@ -202,13 +203,28 @@ pub struct Inline {
     pub body: Bytes,
     /// Attachment lengths, from the table.
     pub lens: Vec<u64>,
+    /// The message's body travels as its last segment, not inline (the announcement carries
+    /// [`Packet::mark_body_last`]'s mark; see [`lift_body`]): `body` is empty, and the last
+    /// of the attachments becomes the body.
+    pub body_last: bool,
 }
 
 impl Inline {
-    /// Assembles the message once its attachments have arrived.
+    /// Assembles the message once its attachments have arrived (the body too, for one whose
+    /// body travelled as its last segment: see [`lift_body`]).
     pub fn into_message(self, attachments: impl Into<Attachments>) -> Message {
         let attachments = attachments.into();
         debug_assert_eq!(attachments.len(), self.lens.len());
+        if self.body_last {
+            let mut all = attachments.into_vec();
+            // (`parse` refuses a mark on an announcement with no segment)
+            let body = all.pop().map(Bytes::from).unwrap_or_default();
+            return Message {
+                header: self.wire.header,
+                body,
+                attachments: all.into(),
+            };
+        }
         Message {
             header: self.wire.header,
             body: self.body,
@@ -236,6 +252,29 @@ const T_EAGER_SHORT: u8 = 10;
 
 /// Header flag: the sender was blocked on send credits (see [`Packet::mark_starved`]).
 const FLAG_STARVED: u8 = 1;
+/// Header flag of a rendezvous announcement: the message's body is its last segment (see
+/// [`lift_body`] and [`Packet::mark_body_last`]).
+const FLAG_BODY_LAST: u8 = 2;
+
+/// `msg` with its body moved to the end of its attachments, for a message whose body does
+/// not fit a receive slot beside its header and table ([`Plan::for_message`] says
+/// [`InlineTooLarge`]): the body then travels by rendezvous like the attachments, and the
+/// receiver puts it back ([`Inline::into_message`]). The announcement that carries it must be
+/// marked with [`Packet::mark_body_last`]. Over TCP such a body simply goes inline; over RDMA
+/// this is what lets the same call go too.
+pub fn lift_body(msg: Message) -> Message {
+    let Message {
+        header,
+        body,
+        mut attachments,
+    } = msg;
+    attachments.push(Payload::from(body));
+    Message {
+        header,
+        body: Bytes::new(),
+        attachments,
+    }
+}
 
 fn put_header<B: BufMut>(out: &mut B, ty: u8, credits: u16, n: u32, id: u64) {
     out.put_u8(ty);
@@ -418,6 +457,18 @@ impl Packet {
         }
     }
 
+    /// Marks an encoded rendezvous announcement (`out`, from [`encode_pull_rts`] or
+    /// [`encode_push_rts`] of a message made by [`lift_body`]) as carrying the message's body
+    /// as its last segment.
+    ///
+    /// [`encode_pull_rts`]: Self::encode_pull_rts
+    /// [`encode_push_rts`]: Self::encode_push_rts
+    pub fn mark_body_last(out: &mut [u8]) {
+        if let Some(flags) = out.get_mut(1) {
+            *flags |= FLAG_BODY_LAST;
+        }
+    }
+
     /// Whether a received packet carries [`Packet::mark_starved`]'s mark (unchecked: a
     /// malformed packet is refused by [`Packet::parse`]).
     pub fn is_starved(slot: &[u8]) -> bool {
@@ -437,7 +488,7 @@ impl Packet {
             });
         }
         let ty = slot.get_u8();
-        let _flags = slot.get_u8();
+        let flags = slot.get_u8();
         let credits = slot.get_u16_le();
         let n = slot.get_u32_le();
         let id = slot.get_u64_le();
@@ -467,14 +518,14 @@ impl Packet {
             }
             T_PULL_RTS => {
                 let segments = take_segments(&mut slot, n)?;
-                let head = parse_inline(slot, id, limits)?;
+                let head = parse_inline(slot, id, flags, limits)?;
                 check_lens(id, &head, segments.iter().map(|s| s.len))?;
                 Packet::PullRts { id, head, segments }
             }
             T_PUSH_RTS => {
                 need(&slot, 8 * n, "push lengths")?;
                 let lens: Vec<u64> = (0..n).map(|_| slot.get_u64_le()).collect();
-                let head = parse_inline(slot, id, limits)?;
+                let head = parse_inline(slot, id, flags, limits)?;
                 check_lens(id, &head, lens.iter().copied())?;
                 Packet::PushRts { id, head }
             }
@@ -628,8 +679,14 @@ fn take_segments(b: &mut Bytes, n: usize) -> Result<Vec<Segment>, ProtocolViolat
 }
 
 /// Parses an inline part: frame header, table, body (what follows the table up to the end of
-/// the slot). The attachments are not here.
-fn parse_inline(mut b: Bytes, id: u64, limits: &Limits) -> Result<Inline, ProtocolViolation> {
+/// the slot). The attachments are not here. `flags` are the announcement's (see
+/// [`FLAG_BODY_LAST`]).
+fn parse_inline(
+    mut b: Bytes,
+    id: u64,
+    flags: u8,
+    limits: &Limits,
+) -> Result<Inline, ProtocolViolation> {
     let wire = parse_wire(&b, limits)?;
     b.advance(HEADER_LEN);
     let n = wire.n_attach as usize;
@@ -648,10 +705,18 @@ fn parse_inline(mut b: Bytes, id: u64, limits: &Limits) -> Result<Inline, Protoc
             why: "frame length does not match its table and body",
         });
     }
+    let body_last = flags & FLAG_BODY_LAST != 0;
+    if body_last && (lens.is_empty() || !b.is_empty()) {
+        return Err(ProtocolViolation::Mismatch {
+            id,
+            why: "a body marked as the last segment, with no segment or with a body inline",
+        });
+    }
     Ok(Inline {
         wire,
         body: b,
         lens,
+        body_last,
     })
 }
 

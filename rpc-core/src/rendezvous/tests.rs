@@ -408,6 +408,86 @@ fn pull_rts_round_trip_and_mismatches() {
     assert!(parse(b).is_err());
 }
 
+/// Segments for the attachments of `m`, as a sender exposes them.
+fn segments_of(m: &Message) -> Vec<Segment> {
+    m.attachments
+        .iter()
+        .map(|a| Segment {
+            addr: 0x1000,
+            len: a.len() as u64,
+            rkey: 3,
+        })
+        .collect()
+}
+
+/// A body too large for a slot beside its header travels as the last segment of a marked
+/// announcement, pulled or pushed, and comes back as the body; unmarked, the same packet
+/// would deliver it as an attachment; a mark that cannot be true is refused.
+#[test]
+fn a_lifted_body_comes_back_as_the_body() {
+    let slot = 16 * 1024;
+    let m = msg(9, &[0xab; 20_000], &[100, 0]);
+    for d in [Direction::Pull, Direction::Push] {
+        assert!(Plan::for_message(&m, slot, 8192, d).is_err());
+    }
+    let lifted = lift_body(m.clone());
+    assert!(lifted.body.is_empty());
+    assert_eq!(lifted.attachments.len(), 3);
+    assert_eq!(&lifted.attachments[2][..], &m.body[..]);
+    for d in [Direction::Pull, Direction::Push] {
+        assert_eq!(
+            Plan::for_message(&lifted, slot, 8192, d),
+            Ok(Plan::Rendezvous(d))
+        );
+    }
+    let segs = segments_of(&lifted);
+    for push in [false, true] {
+        let mut b = BytesMut::new();
+        if push {
+            Packet::encode_push_rts(&mut b, 0, 5, &lifted);
+        } else {
+            Packet::encode_pull_rts(&mut b, 0, 5, &lifted, &segs);
+        }
+        let unmarked = b.clone();
+        Packet::mark_body_last(&mut b);
+        let head = match parse(b).unwrap().0 {
+            Packet::PullRts { head, .. } | Packet::PushRts { head, .. } => head,
+            other => panic!("{other:?}"),
+        };
+        assert!(head.body_last);
+        assert_eq!(head.lens, vec![100, 0, 20_000]);
+        assert_eq!(
+            head.into_message(lifted.attachments.clone()),
+            m,
+            "push {push}"
+        );
+        let head = match parse(unmarked).unwrap().0 {
+            Packet::PullRts { head, .. } | Packet::PushRts { head, .. } => head,
+            other => panic!("{other:?}"),
+        };
+        assert!(!head.body_last);
+        assert_eq!(head.into_message(lifted.attachments.clone()), lifted);
+    }
+    // a body inline beside the mark
+    let small = msg(6, b"body", &[10]);
+    let mut b = BytesMut::new();
+    Packet::encode_pull_rts(&mut b, 0, 6, &small, &segments_of(&small));
+    Packet::mark_body_last(&mut b);
+    assert!(matches!(
+        parse(b),
+        Err(ProtocolViolation::Mismatch { id: 6, .. })
+    ));
+    // the mark with no segment to be the body
+    let none = msg(7, b"", &[]);
+    let mut b = BytesMut::new();
+    Packet::encode_push_rts(&mut b, 0, 7, &none);
+    Packet::mark_body_last(&mut b);
+    assert!(matches!(
+        parse(b),
+        Err(ProtocolViolation::Mismatch { id: 7, .. })
+    ));
+}
+
 #[test]
 fn push_round_trip() {
     let m = msg(3, b"", &[5000]);
@@ -600,6 +680,7 @@ fn transfers_refuse_stale_and_forged_ids() {
         },
         body: Bytes::new(),
         lens: vec![10],
+        body_last: false,
     };
     t.begin_incoming(
         5,
